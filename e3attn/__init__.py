@@ -1,0 +1,32 @@
+r"""e3attn: SE(3)/O(3)-equivariant graph attention on e3nn and PyTorch."""
+from .attention import EquivariantAttention
+from .graph import complete_graph, radius_graph, radius_graph_pbc
+from .heads import MultiHeadDot, head_index, split_heads
+from .linear import IrrepsLinear
+from .radial import RadialEmbedding, RadialMLP, cutoff_weight, soft_unit_step
+from .scatter import scatter_max, scatter_sum, segment_softmax
+from .tensor_product import SphericalTensorProduct
+from . import testing, viz
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EquivariantAttention",
+    "radius_graph",
+    "radius_graph_pbc",
+    "complete_graph",
+    "RadialEmbedding",
+    "RadialMLP",
+    "cutoff_weight",
+    "soft_unit_step",
+    "SphericalTensorProduct",
+    "IrrepsLinear",
+    "MultiHeadDot",
+    "split_heads",
+    "head_index",
+    "scatter_sum",
+    "scatter_max",
+    "segment_softmax",
+    "testing",
+    "viz",
+]

@@ -1,0 +1,69 @@
+"""Input validation shared by the public functions: clear errors naming the argument."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def check_pos(pos: torch.Tensor, name: str = "pos") -> None:
+    """``pos`` must be a finite floating tensor of shape ``[N, 3]``."""
+    if not isinstance(pos, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape [N, 3], got {type(pos).__name__}")
+    if pos.dim() != 2 or pos.shape[1] != 3:
+        raise ValueError(f"{name} must have shape [N, 3], got {list(pos.shape)}")
+    if not pos.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got dtype {pos.dtype}")
+    if not bool(torch.isfinite(pos).all()):
+        raise ValueError(f"{name} contains NaN or infinite values")
+
+
+def check_features(f: torch.Tensor, dim: int, num_nodes: int, name: str = "f", irreps: str = "") -> None:
+    """``f`` must be a floating tensor of shape ``[num_nodes, dim]``."""
+    if not isinstance(f, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(f).__name__}")
+    what = f" (irreps {irreps})" if irreps else ""
+    if f.dim() != 2 or f.shape[1] != dim:
+        raise ValueError(f"{name} must have shape [N, {dim}]{what}, got {list(f.shape)}")
+    if f.shape[0] != num_nodes:
+        raise ValueError(f"{name} has {f.shape[0]} rows but pos has {num_nodes} points")
+    if not f.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got dtype {f.dtype}")
+
+
+def check_edge_index(edge_index: torch.Tensor, num_nodes: int, name: str = "edge_index") -> None:
+    """``edge_index`` must be an integer tensor ``[2, E]`` with entries in ``[0, num_nodes)``."""
+    if not isinstance(edge_index, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape [2, E], got {type(edge_index).__name__}")
+    if edge_index.dim() != 2 or edge_index.shape[0] != 2:
+        raise ValueError(f"{name} must have shape [2, E], got {list(edge_index.shape)}")
+    if edge_index.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{name} must be an integer (int64 or int32) tensor, got dtype {edge_index.dtype}")
+    if edge_index.numel() > 0:
+        lo, hi = int(edge_index.min()), int(edge_index.max())
+        if lo < 0 or hi >= num_nodes:
+            raise ValueError(f"{name} has entries in [{lo}, {hi}], outside the valid node range [0, {num_nodes})")
+
+
+def check_batch(batch: Optional[torch.Tensor], num_nodes: int, name: str = "batch") -> None:
+    """``batch`` must be ``None`` or an integer tensor ``[N]`` of non-negative graph indices."""
+    if batch is None:
+        return
+    if not isinstance(batch, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape [N], got {type(batch).__name__}")
+    if batch.dim() != 1 or batch.shape[0] != num_nodes:
+        raise ValueError(f"{name} must have shape [{num_nodes}] (one graph index per point), got {list(batch.shape)}")
+    if batch.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{name} must be an integer tensor, got dtype {batch.dtype}")
+    if batch.numel() > 0 and int(batch.min()) < 0:
+        raise ValueError(f"{name} must hold non-negative graph indices")
+
+
+def check_edge_vec(edge_vec: torch.Tensor, num_edges: int, name: str = "edge_vec") -> None:
+    """``edge_vec`` must be a finite floating tensor ``[E, 3]`` matching the edges."""
+    if not isinstance(edge_vec, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape [E, 3], got {type(edge_vec).__name__}")
+    if edge_vec.dim() != 2 or edge_vec.shape[1] != 3 or edge_vec.shape[0] != num_edges:
+        raise ValueError(f"{name} must have shape [{num_edges}, 3] (one vector per edge), got {list(edge_vec.shape)}")
+    if not bool(torch.isfinite(edge_vec).all()):
+        raise ValueError(f"{name} contains NaN or infinite values")

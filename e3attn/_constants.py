@@ -1,0 +1,31 @@
+"""Float64 constants that follow a module's device but never lose precision.
+
+``module.float()`` followed by ``module.double()`` would round an ordinary
+buffer to float32 and back. Constants registered here are kept in float64 for
+the whole life of the module (moved between devices only) and cast to the
+working dtype where they are used, so a layer built under the default float32
+and moved to float64 is as accurate as one built in float64.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class Float64ConstantsModule(torch.nn.Module):
+    """Base class for modules holding float64 constants (Clebsch-Gordan blocks, basis centres)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._float64_constants: list = []
+
+    def register_constant(self, name: str, value: torch.Tensor) -> None:
+        """Register ``value`` (converted to float64) as the non-persistent buffer ``name``."""
+        self.register_buffer(name, value.to(torch.float64), persistent=False)
+        self._float64_constants.append(name)
+
+    def _apply(self, fn, recurse=True):  # noqa: D401 - torch.nn.Module override
+        kept = {name: self._buffers[name] for name in self._float64_constants}
+        super()._apply(fn, recurse)
+        for name, value in kept.items():
+            self._buffers[name] = value.to(device=self._buffers[name].device)
+        return self

@@ -1,0 +1,29 @@
+"""Small irreps utilities used at construction time (never inside ``forward``)."""
+from __future__ import annotations
+
+from typing import List, Tuple, Union
+
+import torch
+from e3nn import o3
+
+IrrepsLike = Union[str, o3.Irreps]
+
+
+def as_irreps(value: IrrepsLike, name: str) -> o3.Irreps:
+    """Parse ``value`` into ``o3.Irreps``, with an error naming the argument."""
+    try:
+        return o3.Irreps(value)
+    except (ValueError, TypeError, AssertionError) as exc:
+        raise ValueError(f"{name} must be e3nn irreps (e.g. '8x0e + 4x1o'), got {value!r}") from exc
+
+
+def entries(irreps: o3.Irreps) -> List[Tuple[int, int, int]]:
+    """``(mul, l, p)`` of every entry, in order, skipping zero multiplicities."""
+    return [(mul, ir.l, ir.p) for mul, ir in irreps if mul > 0]
+
+
+def split_entries(x: torch.Tensor, irreps_entries: List[Tuple[int, int, int]]) -> List[torch.Tensor]:
+    """Split ``x [B, dim]`` into ``[B, mul, 2l+1]`` views, one per entry."""
+    sizes = [mul * (2 * l + 1) for mul, l, _ in irreps_entries]
+    parts = x.split(sizes, dim=-1)
+    return [part.reshape(x.shape[0], mul, 2 * l + 1) for part, (mul, l, _) in zip(parts, irreps_entries)]

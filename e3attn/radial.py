@@ -1,0 +1,199 @@
+r"""Radial part of the layer: smooth cutoffs, basis embeddings of edge lengths, radial MLPs."""
+from __future__ import annotations
+
+import math
+from typing import List, Sequence
+
+import numpy as np
+import torch
+
+from ._constants import Float64ConstantsModule
+
+__all__ = ["soft_unit_step", "log_soft_unit_step", "cutoff_weight", "RadialEmbedding", "RadialMLP"]
+
+# ``smooth_finite`` bump normalisation, the constant of e3nn's ``soft_one_hot_linspace``.
+_SMOOTH_FINITE_NORM = 1.14136 * math.exp(2.0)
+_GAUSSIAN_NORM = 1.0 / 1.12
+_ENVELOPE_P = 6
+
+
+def log_soft_unit_step(x: torch.Tensor) -> torch.Tensor:
+    r"""Logarithm of :func:`soft_unit_step`: :math:`-1/x` for :math:`x > 0`, :math:`-\infty` otherwise.
+
+    The gradient is finite everywhere (0 where :math:`x \le 0`).
+    """
+    positive = x > 0
+    safe = torch.where(positive, x, torch.ones_like(x))
+    return torch.where(positive, -1.0 / safe, torch.full_like(x, float("-inf")))
+
+
+def soft_unit_step(x: torch.Tensor) -> torch.Tensor:
+    r"""Smooth (:math:`C^\infty`) step function.
+
+    .. math:: u(x) = \begin{cases} e^{-1/x} & x > 0 \\ 0 & x \le 0 \end{cases}
+
+    Every derivative vanishes at :math:`x = 0`, so anything multiplied by
+    :math:`u` switches on and off smoothly. Gradients are finite everywhere.
+
+    Example::
+
+        >>> soft_unit_step(torch.tensor([-1.0, 0.0, 1.0]))
+        tensor([0.0000, 0.0000, 0.3679])
+    """
+    return log_soft_unit_step(x).exp()
+
+
+def cutoff_weight(r: torch.Tensor, max_radius: float) -> torch.Tensor:
+    r"""Smooth cutoff weight of an edge of length :math:`r`.
+
+    .. math:: w(r) = u\!\left(10 \left(1 - \frac{r}{r_\mathrm{max}}\right)\right)
+
+    with :math:`u` the :func:`soft_unit_step`: 1 far inside, exactly 0 from
+    :math:`r_\mathrm{max}` on, and infinitely differentiable in between.
+    """
+    return soft_unit_step(10.0 * (1.0 - r / max_radius))
+
+
+def _polynomial_envelope(d: torch.Tensor, p: int = _ENVELOPE_P) -> torch.Tensor:
+    r"""DimeNet's polynomial envelope of :math:`d = r / r_\mathrm{max}`: 1 at 0, 0 with 2 derivatives at 1."""
+    inside = d < 1
+    d = torch.where(inside, d, torch.zeros_like(d))
+    env = 1 - (p + 1) * (p + 2) / 2 * d**p + p * (p + 2) * d ** (p + 1) - p * (p + 1) / 2 * d ** (p + 2)
+    return torch.where(inside, env, torch.zeros_like(env))
+
+
+class RadialEmbedding(Float64ConstantsModule):
+    r"""Embedding of edge lengths in ``number_of_basis`` functions that vanish smoothly at ``max_radius``.
+
+    Three bases, all multiplied by :math:`\sqrt{n}` (``n = number_of_basis``) so
+    that the embedding has components of order one:
+
+    * ``"smooth_finite"`` (default, as e3nn's ``soft_one_hot_linspace(..., cutoff=True)``):
+      bumps centred at :math:`c_k = k\,\delta,\ k = 1..n`, :math:`\delta = r_\mathrm{max}/(n+1)`,
+
+      .. math:: e_k(r) = 1.14136\, e^{2}\, u(d_k + 1)\, u(1 - d_k), \qquad d_k = (r - c_k)/\delta
+
+      with :math:`u` the :func:`soft_unit_step`. Each bump is :math:`C^\infty`
+      with compact support, so the embedding is exactly 0 at :math:`r = 0`
+      and from :math:`r_\mathrm{max}` on.
+    * ``"gaussian"``: :math:`e_k(r) = \exp(-((r - c_k)/\delta)^2) / 1.12\ \cdot f_\mathrm{env}(r / r_\mathrm{max})`,
+      centres :math:`c_k` evenly spaced on :math:`[0, r_\mathrm{max}]`.
+    * ``"bessel"``: :math:`e_k(r) = \sqrt{2/r_\mathrm{max}}\, \sin(k\pi r/r_\mathrm{max}) / r
+      \cdot f_\mathrm{env}(r / r_\mathrm{max})`, finite at :math:`r = 0`.
+
+    :math:`f_\mathrm{env}` is DimeNet's polynomial envelope (:math:`p = 6`),
+    1 at :math:`r = 0` and 0 with its first two derivatives at :math:`r_\mathrm{max}`.
+
+    Args:
+        number_of_basis: number of basis functions :math:`n`.
+        max_radius: cutoff radius :math:`r_\mathrm{max}`.
+        basis: ``"smooth_finite"``, ``"gaussian"`` or ``"bessel"``.
+
+    Shapes:
+        ``r`` ``[...]`` to ``[..., number_of_basis]``.
+
+    Example::
+
+        >>> emb = RadialEmbedding(10, max_radius=1.3)
+        >>> emb(torch.tensor([0.0, 0.5, 1.3, 2.0])).shape
+        torch.Size([4, 10])
+    """
+
+    BASES = ("smooth_finite", "gaussian", "bessel")
+
+    def __init__(self, number_of_basis: int, max_radius: float, basis: str = "smooth_finite") -> None:
+        super().__init__()
+        if not isinstance(number_of_basis, int) or number_of_basis < 1:
+            raise ValueError(f"number_of_basis must be a positive int, got {number_of_basis!r}")
+        if not (isinstance(max_radius, (int, float)) and math.isfinite(max_radius) and max_radius > 0):
+            raise ValueError(f"max_radius must be a positive finite number, got {max_radius!r}")
+        if basis not in self.BASES:
+            raise ValueError(f"basis must be one of {self.BASES}, got {basis!r}")
+        self.number_of_basis = number_of_basis
+        self.max_radius = float(max_radius)
+        self.basis = basis
+        n, rmax = number_of_basis, self.max_radius
+        if basis == "smooth_finite":
+            grid = torch.linspace(0.0, rmax, n + 2, dtype=torch.float64)
+            self.step = rmax / (n + 1)
+            self.register_constant("centers", grid[1:-1])
+        elif basis == "gaussian":
+            self.step = rmax / (n - 1) if n > 1 else rmax
+            self.register_constant("centers", torch.linspace(0.0, rmax, n, dtype=torch.float64))
+        else:
+            self.step = rmax
+            self.register_constant("centers", torch.arange(1, n + 1, dtype=torch.float64))
+
+    def extra_repr(self) -> str:
+        return f"number_of_basis={self.number_of_basis}, max_radius={self.max_radius}, basis={self.basis!r}"
+
+    def forward(self, r: torch.Tensor) -> torch.Tensor:
+        centers = self.centers.to(r.dtype)
+        if self.basis == "smooth_finite":
+            d = (r[..., None] - centers) / self.step
+            out = _SMOOTH_FINITE_NORM * soft_unit_step(d + 1) * soft_unit_step(1 - d)
+        elif self.basis == "gaussian":
+            d = (r[..., None] - centers) / self.step
+            out = _GAUSSIAN_NORM * torch.exp(-d.pow(2)) * _polynomial_envelope(r / self.max_radius)[..., None]
+        else:
+            # sin(k pi r / rmax) / r == (k pi / rmax) sinc(k r / rmax): finite at r = 0
+            x = r[..., None] / self.max_radius
+            out = math.sqrt(2.0 / self.max_radius) * (math.pi / self.max_radius) * centers * torch.sinc(centers * x)
+            out = out * _polynomial_envelope(r / self.max_radius)[..., None]
+        return out * math.sqrt(self.number_of_basis)
+
+
+def _second_moment_constant() -> float:
+    r""":math:`1/\sqrt{E[\mathrm{silu}(z)^2]}` for :math:`z \sim N(0, 1)`, by Gauss-Hermite quadrature."""
+    z, w = np.polynomial.hermite_e.hermegauss(200)
+    silu = z / (1.0 + np.exp(-z))
+    return float(1.0 / math.sqrt(np.sum(w * silu**2) / math.sqrt(2 * math.pi)))
+
+
+_SILU_NORM = _second_moment_constant()
+
+
+class RadialMLP(torch.nn.Module):
+    r"""Radial networks: maps the edge embedding to per-edge tensor product weights.
+
+    Several independent two-layer networks without biases (one per weight set,
+    e.g. keys and values), normalised like e3nn's ``FullyConnectedNet``:
+
+    .. math::
+
+        h^{(t)} = c\ \mathrm{silu}\!\left(\frac{e\, W_1^{(t)}}{\sqrt{n}}\right),\qquad
+        w^{(t)} = \frac{h^{(t)} W_2^{(t)}}{\sqrt{h}}
+
+    with :math:`W` initialised :math:`N(0, 1)` and :math:`c` making
+    :math:`E[(c\,\mathrm{silu}(z))^2] = 1`. The first layers of all networks run
+    as one matrix product.
+
+    Args:
+        number_of_basis: input size :math:`n`.
+        hidden: hidden size :math:`h` of every network.
+        outputs: output size of each network.
+
+    Shapes:
+        ``[E, number_of_basis]`` to a list of ``[E, outputs[t]]``.
+
+    Example::
+
+        >>> mlp = RadialMLP(10, 16, [240, 330])
+        >>> [w.shape for w in mlp(torch.randn(5, 10))]
+        [torch.Size([5, 240]), torch.Size([5, 330])]
+    """
+
+    def __init__(self, number_of_basis: int, hidden: int, outputs: Sequence[int]) -> None:
+        super().__init__()
+        if not isinstance(hidden, int) or hidden < 1:
+            raise ValueError(f"radial_neurons must be a positive int, got {hidden!r}")
+        self.number_of_basis = number_of_basis
+        self.hidden = hidden
+        self.outputs = list(outputs)
+        self.weight1 = torch.nn.Parameter(torch.randn(number_of_basis, hidden * len(self.outputs)))
+        self.weight2 = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(hidden, n)) for n in self.outputs])
+
+    def forward(self, emb: torch.Tensor) -> List[torch.Tensor]:
+        h = torch.nn.functional.silu(emb @ (self.weight1 / math.sqrt(self.number_of_basis))) * _SILU_NORM
+        hs = h.split(self.hidden, dim=1)
+        return [x @ (w / math.sqrt(self.hidden)) for x, w in zip(hs, self.weight2)]
