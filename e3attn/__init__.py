@@ -3,6 +3,8 @@ from .attention import EquivariantAttention
 from .graph import complete_graph, radius_graph, radius_graph_pbc
 from .heads import MultiHeadDot, head_index, split_heads
 from .linear import IrrepsLinear
+from .multihead import GraphMultiHeadAttention, MultiHeadAttention
+from .plain import dense_attention, graph_attention
 from .radial import RadialEmbedding, RadialMLP, cutoff_weight, soft_unit_step
 from .scatter import scatter_max, scatter_sum, segment_softmax
 from .tensor_product import SphericalTensorProduct
@@ -15,6 +17,10 @@ __all__ = [
     "radius_graph",
     "radius_graph_pbc",
     "complete_graph",
+    "dense_attention",
+    "graph_attention",
+    "MultiHeadAttention",
+    "GraphMultiHeadAttention",
     "RadialEmbedding",
     "RadialMLP",
     "cutoff_weight",
