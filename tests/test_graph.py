@@ -1,0 +1,392 @@
+"""Neighbour graphs: every backend against brute force written plainly here."""
+import importlib.util
+import itertools
+import json
+import math
+import pathlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from e3attn._cells import cell_list_pairs, ragged_arange
+from e3attn._search import BACKENDS, has_torch_cluster
+from e3attn.graph import _radius_graph, _radius_graph_pbc, complete_graph, radius_graph, radius_graph_pbc
+
+AVAILABLE = [b for b in BACKENDS if b != "torch_cluster" or has_torch_cluster()]
+# radii whose squares are exact in binary, so grid-valued clouds test the strict "<" exactly
+RADII = [0.5, 0.75, 1.0, 1.5, 2.5]
+SETTINGS = settings(max_examples=40, deadline=None)
+
+
+def edges_of(pairs):
+    """``[(src, dst), ...]`` -> ``[2, E]`` int64."""
+    return torch.tensor(pairs, dtype=torch.long).reshape(-1, 2).T
+
+
+def brute_radius_graph(pos, r, batch=None, loop=False):
+    """All ordered pairs tested one by one, emitted in (dst, src) order."""
+    n = pos.shape[0]
+    diff = pos[:, None, :] - pos[None, :, :]
+    d2 = diff[..., 0] * diff[..., 0] + diff[..., 1] * diff[..., 1] + diff[..., 2] * diff[..., 2]
+    pairs = []
+    for dst in range(n):
+        for src in range(n):
+            if batch is not None and batch[src] != batch[dst]:
+                continue
+            if src == dst:
+                if loop:
+                    pairs.append((src, dst))
+            elif d2[src, dst] < r * r:
+                pairs.append((src, dst))
+    return edges_of(pairs)
+
+
+@st.composite
+def clouds(draw, max_points=24, grid=True):
+    """Positions (on a 1/4 grid: exact arithmetic, many exact ties and duplicates), batch, dtype."""
+    n = draw(st.integers(0, max_points))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    if grid:  # small extents make coincident points common
+        extent = draw(st.sampled_from([1, 3, 8]))
+        coords = draw(st.lists(st.integers(-extent, extent), min_size=3 * n, max_size=3 * n))
+        pos = torch.tensor(coords, dtype=dtype).reshape(n, 3) / 4
+    else:
+        coords = draw(st.lists(st.floats(-3, 3, width=32), min_size=3 * n, max_size=3 * n))
+        pos = torch.tensor(coords, dtype=dtype).reshape(n, 3)
+    batch = None
+    if draw(st.booleans()):  # unsorted, non-contiguous graph indices
+        batch = torch.tensor(draw(st.lists(st.sampled_from([0, 2, 5]), min_size=n, max_size=n)), dtype=torch.long)
+    return pos, batch
+
+
+@SETTINGS
+@given(cloud=clouds(), r=st.sampled_from(RADII), loop=st.booleans())
+def test_radius_graph_equals_brute_force_on_grid_clouds(cloud, r, loop):
+    pos, batch = cloud
+    expected = brute_radius_graph(pos, r, batch, loop)
+    assert torch.equal(radius_graph(pos, r, batch, loop=loop), expected)
+    for backend in AVAILABLE:
+        assert torch.equal(_radius_graph(pos, r, batch, loop, None, backend), expected), backend
+
+
+@SETTINGS
+@given(cloud=clouds(grid=False), r=st.floats(0.05, 4.0))
+def test_radius_graph_equals_brute_force_on_float_clouds(cloud, r):
+    pos, batch = cloud
+    expected = brute_radius_graph(pos, r, batch)
+    for backend in AVAILABLE:
+        assert torch.equal(_radius_graph(pos, r, batch, False, None, backend), expected), backend
+
+
+@SETTINGS
+@given(cloud=clouds(max_points=12), r=st.sampled_from(RADII), loop=st.booleans(), cap=st.integers(0, 8))
+def test_max_num_neighbors_raises_exactly_when_exceeded(cloud, r, loop, cap):
+    pos, batch = cloud
+    expected = brute_radius_graph(pos, r, batch, loop)
+    degree = [int((expected[1] == i).sum()) for i in range(pos.shape[0])]
+    if max(degree, default=0) > cap:
+        node = degree.index(max(degree))
+        with pytest.raises(ValueError, match=f"node {node} has {degree[node]} incoming edges"):
+            radius_graph(pos, r, batch, loop=loop, max_num_neighbors=cap)
+    else:
+        assert torch.equal(radius_graph(pos, r, batch, loop=loop, max_num_neighbors=cap), expected)
+
+
+@pytest.mark.parametrize("backend", AVAILABLE)
+def test_radius_graph_larger_cloud_with_batch(backend):
+    gen = torch.Generator().manual_seed(0)
+    pos = torch.rand(1500, 3, generator=gen, dtype=torch.float64) * 6.0
+    batch = torch.randint(0, 3, (1500,), generator=gen)
+    r = 0.9
+    diff = pos[:, None, :] - pos[None, :, :]
+    d2 = diff[..., 0] * diff[..., 0] + diff[..., 1] * diff[..., 1] + diff[..., 2] * diff[..., 2]
+    adjacency = (d2 < r * r) & (batch[:, None] == batch[None, :]) & ~torch.eye(1500, dtype=torch.bool)
+    dst, src = adjacency.T.nonzero(as_tuple=True)  # row-major over (dst, src): already (dst, src) order
+    expected = torch.stack([src, dst])
+    assert expected.shape[1] > 5_000
+    assert torch.equal(_radius_graph(pos, r, batch, False, None, backend), expected)
+
+
+@pytest.mark.parametrize("backend", AVAILABLE)
+def test_dense_cloud_is_the_complete_graph(backend):
+    # every node has 299 neighbours: far above torch_cluster's first per-node cap, nothing may be dropped
+    pos = torch.rand(300, 3, generator=torch.Generator().manual_seed(5))
+    expected = [(s, d) for d in range(300) for s in range(300) if s != d]
+    assert torch.equal(_radius_graph(pos, 2.0, None, False, None, backend), edges_of(expected))
+
+
+def test_radius_graph_edge_cases():
+    empty = torch.zeros(0, 3)
+    assert radius_graph(empty, 1.0).shape == (2, 0)
+    assert radius_graph(empty, 1.0, loop=True).shape == (2, 0)
+    one = torch.tensor([[0.3, -1.0, 2.0]])
+    assert radius_graph(one, 1.0).shape == (2, 0)
+    assert radius_graph(one, 1.0, loop=True).tolist() == [[0], [0]]
+    # coincident points are neighbours of each other; the exact cutoff distance is not
+    pos = torch.tensor([[0.0, 0, 0], [0.0, 0, 0], [0.0, 0, 0], [1.0, 0, 0]])
+    assert radius_graph(pos, 1.0).tolist() == [[1, 2, 0, 2, 0, 1], [0, 0, 1, 1, 2, 2]]
+    assert radius_graph(pos, 1.0 + 1e-6).shape[1] == 12
+
+
+def test_radius_graph_order_dtype_device_symmetry():
+    gen = torch.Generator().manual_seed(1)
+    pos = torch.rand(300, 3, generator=gen) * 3
+    edge_index = radius_graph(pos.requires_grad_(), 0.7, loop=True)
+    assert edge_index.dtype == torch.int64 and edge_index.device == pos.device
+    src, dst = edge_index.tolist()
+    assert list(zip(dst, src)) == sorted(set(zip(dst, src)))  # strictly increasing (dst, src)
+    assert set(zip(src, dst)) == set(zip(dst, src))
+    assert all((i, i) in set(zip(src, dst)) for i in range(300))
+
+
+def test_max_num_neighbors():
+    # node 0 is the centre of a star of 3 points; the leaves see only the centre
+    pos = torch.tensor([[0.0, 0, 0], [1.0, 0, 0], [-1.0, 0, 0], [0.0, 1.0, 0]])
+    assert radius_graph(pos, 1.2, max_num_neighbors=3).shape[1] == 6
+    with pytest.raises(ValueError, match=r"node 0 has 3 incoming edges .* max_num_neighbors=2"):
+        radius_graph(pos, 1.2, max_num_neighbors=2)
+    with pytest.raises(ValueError, match=r"node 0 has 4 incoming edges"):
+        radius_graph(pos, 1.2, loop=True, max_num_neighbors=3)
+    assert radius_graph(pos, 0.5, max_num_neighbors=0).shape[1] == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(pos=torch.zeros(4, 2)), r"pos must have shape \[N, 3\]"),
+        (dict(pos=torch.tensor([[0.0, float("nan"), 0]])), "pos contains NaN"),
+        (dict(pos=torch.tensor([[0.0, float("inf"), 0]])), "pos contains NaN or infinite"),
+        (dict(pos=torch.zeros(4, 3, dtype=torch.long)), "pos must be a floating-point"),
+        (dict(r_max=0.0), "r_max must be a positive finite number"),
+        (dict(r_max=-1.0), "r_max must be a positive finite number"),
+        (dict(r_max=float("inf")), "r_max must be a positive finite number"),
+        (dict(r_max=float("nan")), "r_max must be a positive finite number"),
+        (dict(r_max="1"), "r_max must be a positive finite number"),
+        (dict(r_max=True), "r_max must be a positive finite number"),
+        (dict(batch=torch.zeros(3, dtype=torch.long)), r"batch must have shape \[4\]"),
+        (dict(batch=torch.zeros(4)), "batch must be an integer tensor"),
+        (dict(batch=torch.tensor([0, -1, 0, 0])), "batch must hold non-negative"),
+        (dict(max_num_neighbors=-1), "max_num_neighbors must be None or a non-negative int"),
+        (dict(max_num_neighbors=2.5), "max_num_neighbors must be None or a non-negative int"),
+    ],
+)
+def test_radius_graph_bad_input(kwargs, match):
+    args = dict(pos=torch.zeros(4, 3), r_max=1.0)
+    args.update(kwargs)
+    pos, r_max = args.pop("pos"), args.pop("r_max")
+    with pytest.raises(ValueError, match=match):
+        radius_graph(pos, r_max, **args)
+
+
+def test_radius_tensor_and_integer_r_max():
+    pos = torch.tensor([[0.0, 0, 0], [1.5, 0, 0]])
+    assert radius_graph(pos, torch.tensor(2.0)).shape[1] == 2
+    assert radius_graph(pos, 2).shape[1] == 2
+
+
+def test_ragged_arange_and_cell_list_chunks():
+    segment, values = ragged_arange(torch.tensor([4, 9, 0, 7]), torch.tensor([3, 0, 1, 2]))
+    expected = [(k, s + i) for k, (s, c) in enumerate([(4, 3), (9, 0), (0, 1), (7, 2)]) for i in range(c)]
+    assert list(zip(segment.tolist(), values.tolist())) == expected
+    gen = torch.Generator().manual_seed(2)
+    query = torch.rand(60, 3, generator=gen, dtype=torch.float64) * 4
+    source = torch.rand(200, 3, generator=gen, dtype=torch.float64) * 4
+    d2 = ((query[:, None, :] - source[None, :, :]) ** 2).sum(-1)
+    expected = set(map(tuple, (d2 < 1.0).nonzero().tolist()))
+    for max_candidates in (1, 37, 2**22):  # tiny chunks: one query point at a time
+        q, s = cell_list_pairs(query, source, 1.0, max_candidates=max_candidates)
+        assert set(zip(q.tolist(), s.tolist())) == expected
+        assert len(q) == len(expected)
+
+
+@pytest.mark.parametrize("backend", AVAILABLE)
+def test_sparse_far_apart_clouds(backend):
+    # two tight clusters 1e12 apart: a dense grid of cells would not fit in memory or int64 keys
+    pos = torch.tensor([[0.0, 0, 0], [0.5, 0, 0], [1e12, 0, 0], [1e12, 0.25, 0], [1e12, 0, 3.0]], dtype=torch.float64)
+    assert _radius_graph(pos, 1.0, None, False, None, backend).tolist() == [[1, 0, 3, 2], [0, 1, 2, 3]]
+
+
+# ---------------------------------------------------------------- periodic
+
+
+def brute_radius_graph_pbc(pos, cells, pbc, r, graph):
+    """Every pair, every image shift in a generous box, tested one by one; (dst, src, shift) order."""
+    grids = []
+    for cell, periodic in zip(cells, pbc):
+        # plane spacings are >= the smallest singular value of the periodic lattice vectors;
+        # positions lie within 2 cells of the origin, hence the + 4
+        rows = cell[periodic]
+        reach = math.ceil(r / float(torch.linalg.svdvals(rows).min())) + 4 if len(rows) else 0
+        ranges = [range(-reach, reach + 1) if p else [0] for p in periodic.tolist()]
+        grid = torch.tensor(list(itertools.product(*ranges)), dtype=pos.dtype)  # lexicographic order
+        grids.append((grid, grid @ cell))
+    pairs, shifts = [], []
+    for dst in range(pos.shape[0]):
+        for src in range(pos.shape[0]):
+            g = int(graph[src])
+            if g != int(graph[dst]):
+                continue
+            grid, offsets = grids[g]
+            v = pos[src] - pos[dst] + offsets
+            near = v[:, 0] * v[:, 0] + v[:, 1] * v[:, 1] + v[:, 2] * v[:, 2] < r * r
+            for shift in grid[near].tolist():
+                if src != dst or any(shift):
+                    pairs.append((src, dst))
+                    shifts.append(shift)
+    return edges_of(pairs), torch.tensor(shifts, dtype=pos.dtype).reshape(-1, 3)
+
+
+@st.composite
+def crystals(draw, num_graphs=1):
+    """Grid-valued (often skewed, sometimes small) cells, unwrapped positions, random pbc."""
+    cells, pbcs, pos, graph = [], [], [], []
+    for g in range(num_graphs):
+        while True:
+            cell = torch.tensor(draw(st.lists(st.integers(-2, 4), min_size=9, max_size=9)), dtype=torch.float64)
+            cell = cell.reshape(3, 3) / 2 + torch.eye(3) * draw(st.sampled_from([0.5, 1.0, 2.0]))
+            if float(torch.linalg.svdvals(cell).min()) >= 0.5:  # bounded number of images
+                break
+        n = draw(st.integers(1, 4))
+        frac = torch.tensor(draw(st.lists(st.integers(-4, 7), min_size=3 * n, max_size=3 * n)), dtype=torch.float64)
+        pos.append(frac.reshape(n, 3) / 4 @ cell)  # fractional coordinates in [-1, 2): not wrapped
+        cells.append(cell)
+        pbcs.append(draw(st.lists(st.booleans(), min_size=3, max_size=3)))
+        graph += [g] * n
+    return torch.cat(pos), torch.stack(cells), torch.tensor(pbcs), torch.tensor(graph)
+
+
+@settings(max_examples=30, deadline=None)
+@given(crystal=crystals(), r=st.sampled_from([0.75, 1.0, 1.5, 2.5]))
+def test_pbc_equals_brute_force(crystal, r):
+    pos, cells, pbc, graph = crystal
+    expected = brute_radius_graph_pbc(pos, cells, pbc, r, graph)
+    edge_index, shifts = radius_graph_pbc(pos, cells[0], pbc[0], r)
+    assert torch.equal(edge_index, expected[0]) and torch.equal(shifts, expected[1])
+    for backend in AVAILABLE:
+        edge_index, shifts = _radius_graph_pbc(pos, cells, pbc, r, graph, backend)
+        assert torch.equal(edge_index, expected[0]) and torch.equal(shifts, expected[1]), backend
+
+
+@settings(max_examples=15, deadline=None)
+@given(crystal=crystals(num_graphs=2), r=st.sampled_from([1.0, 1.5]))
+def test_pbc_batch_of_two_crystals(crystal, r):
+    pos, cells, pbc, graph = crystal
+    expected = brute_radius_graph_pbc(pos, cells, pbc, r, graph)
+    edge_index, shifts = radius_graph_pbc(pos, cells, pbc, r, batch=graph)
+    assert torch.equal(edge_index, expected[0]) and torch.equal(shifts, expected[1])
+
+
+def test_pbc_simple_cubic_shells():
+    # one atom, unit cubic cell: 6 neighbours at 1, 12 at sqrt(2), 8 at sqrt(3), 6 at 2
+    pos = torch.tensor([[0.25, 0.5, 0.75]], dtype=torch.float64)
+    counts = {r: radius_graph_pbc(pos, torch.eye(3, dtype=torch.float64), [True] * 3, r)[0].shape[1]
+              for r in (0.99, 1.01, 1.5, 1.8, 2.01)}
+    assert counts == {0.99: 0, 1.01: 6, 1.5: 18, 1.8: 26, 2.01: 32}
+
+
+def test_pbc_edge_vectors_symmetry_and_types():
+    gen = torch.Generator().manual_seed(3)
+    cell = torch.tensor([[3.0, 0.0, 0.0], [1.2, 2.5, 0.0], [0.4, -0.7, 2.2]])
+    pos = torch.rand(7, 3, generator=gen) * 5 - 1
+    edge_index, shifts = radius_graph_pbc(pos, cell, torch.tensor([True, True, True]), 2.5)
+    assert edge_index.dtype == torch.int64 and shifts.dtype == pos.dtype
+    assert torch.equal(shifts, shifts.round())
+    src, dst = edge_index
+    edge_vec = pos[src] - pos[dst] + shifts @ cell
+    assert float(edge_vec.norm(dim=1).max()) < 2.5
+    triples = set(zip(src.tolist(), dst.tolist(), map(tuple, shifts.tolist())))
+    assert triples == {(d, s, tuple(-x for x in sh)) for s, d, sh in triples}
+    assert any(s == d for s, d, _ in triples)  # |a3| < r: every atom sees its own images
+
+
+def test_pbc_without_periodic_directions_is_the_radius_graph():
+    gen = torch.Generator().manual_seed(4)
+    pos = torch.rand(60, 3, generator=gen, dtype=torch.float64) * 3
+    batch = torch.randint(0, 2, (60,), generator=gen)
+    edge_index, shifts = radius_graph_pbc(pos, torch.zeros(3, 3, dtype=torch.float64), False, 1.0, batch)
+    assert torch.equal(edge_index, radius_graph(pos, 1.0, batch))
+    assert not shifts.any()
+
+
+def test_pbc_edge_cases():
+    edge_index, shifts = radius_graph_pbc(torch.zeros(0, 3), torch.eye(3), [True] * 3, 1.0)
+    assert edge_index.shape == (2, 0) and shifts.shape == (0, 3)
+    # a slab: the non-periodic third lattice vector may be zero
+    cell = torch.tensor([[1.0, 0, 0], [0, 1.0, 0], [0, 0, 0]])
+    edge_index, shifts = radius_graph_pbc(torch.zeros(1, 3), cell, [True, True, False], 1.2)
+    assert shifts.tolist() == [[-1, 0, 0], [0, -1, 0], [0, 1, 0], [1, 0, 0]]
+    # a duplicate and a copy one lattice vector away: distance 0 through the right shifts
+    pos = torch.tensor([[0.1, 0.2, 0.3], [0.1, 0.2, 0.3], [1.1, 0.2, 0.3]], dtype=torch.float64)
+    for backend in AVAILABLE:
+        edge_index, shifts = _radius_graph_pbc(
+            pos, torch.eye(3, dtype=torch.float64)[None], torch.tensor([[True, False, False]]), 0.5,
+            torch.zeros(3, dtype=torch.long), backend,
+        )
+        assert edge_index.tolist() == [[1, 2, 0, 2, 0, 1], [0, 0, 1, 1, 2, 2]]
+        assert shifts[:, 0].tolist() == [0, -1, 0, -1, 1, 1] and not shifts[:, 1:].any()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(cell=torch.eye(4)), r"cell must have shape \[3, 3\] or \[B, 3, 3\]"),
+        (dict(cell=torch.eye(3, dtype=torch.float64)), "cell must have the dtype and device of pos"),
+        (dict(cell=torch.full((3, 3), float("nan"))), "cell contains NaN"),
+        (dict(cell=torch.tensor([[1.0, 0, 0], [2.0, 0, 0], [0, 0, 1]])), "linearly independent"),
+        (dict(pbc=[1, 1, 1]), "pbc must hold booleans"),
+        (dict(pbc=[True, True]), r"pbc must have shape \[3\] or \[B, 3\]"),
+        (
+            dict(cell=torch.eye(3).expand(2, 3, 3), pbc=torch.ones(3, 3, dtype=torch.bool)),
+            "cell has 2 graphs but pbc has 3",
+        ),
+        (dict(cell=torch.eye(3).expand(2, 3, 3), batch=torch.tensor([0, 2])), "batch holds graph index 2"),
+        (dict(r_max=0), "r_max must be a positive finite number"),
+    ],
+)
+def test_pbc_bad_input(kwargs, match):
+    args = dict(pos=torch.zeros(2, 3), cell=torch.eye(3), pbc=[True] * 3, r_max=1.0, batch=None)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        radius_graph_pbc(**args)
+
+
+# ---------------------------------------------------------------- complete graph
+
+
+@settings(max_examples=30, deadline=None)
+@given(labels=st.lists(st.integers(0, 3), max_size=12), loop=st.booleans(), with_batch=st.booleans())
+def test_complete_graph_equals_itertools(labels, loop, with_batch):
+    n = len(labels)
+    batch = torch.tensor(labels, dtype=torch.long) if with_batch else None
+    expected = [
+        (s, d)
+        for d, s in itertools.product(range(n), repeat=2)
+        if (not with_batch or labels[s] == labels[d]) and (loop or s != d)
+    ]
+    assert torch.equal(complete_graph(n, batch, loop=loop), edges_of(expected))
+
+
+def test_complete_graph_bad_input():
+    with pytest.raises(ValueError, match="num_nodes must be a non-negative int"):
+        complete_graph(-1)
+    with pytest.raises(ValueError, match="num_nodes must be a non-negative int"):
+        complete_graph(2.0)
+    with pytest.raises(ValueError, match=r"batch must have shape \[3\]"):
+        complete_graph(3, torch.zeros(2, dtype=torch.long))
+
+
+# ---------------------------------------------------------------- benchmark script
+
+
+def test_benchmark_quick_run(tmp_path):
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "radius_graph.py"
+    spec = importlib.util.spec_from_file_location("bench_radius_graph", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "radius_graph.json"
+    module.main(["--quick", "--device", "cpu", "--out", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert {row["method"] for row in rows} >= {"e3attn", "dense"}
+    assert all(row["num_edges"] == rows[0]["num_edges"] for row in rows if row["num_points"] == rows[0]["num_points"])
