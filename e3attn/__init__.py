@@ -8,7 +8,7 @@ from .plain import dense_attention, graph_attention
 from .radial import RadialEmbedding, RadialMLP, cutoff_weight, soft_unit_step
 from .scatter import scatter_max, scatter_sum, segment_softmax
 from .tensor_product import SphericalTensorProduct
-from . import testing, viz
+from . import models, testing, viz
 
 __version__ = "0.1.0"
 
@@ -33,6 +33,7 @@ __all__ = [
     "scatter_sum",
     "scatter_max",
     "segment_softmax",
+    "models",
     "testing",
     "viz",
 ]

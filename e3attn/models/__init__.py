@@ -1,0 +1,18 @@
+r"""Complete models built from :class:`~e3attn.EquivariantAttention`: the equivariant transformer,
+energies and forces, checkpoints."""
+from .checkpoint import load_checkpoint, save_checkpoint
+from .energy import edge_vectors, energy_and_forces
+from .gate import Gate, second_moment_constant
+from .norm import EquivariantLayerNorm
+from .transformer import EquivariantTransformer
+
+__all__ = [
+    "EquivariantTransformer",
+    "EquivariantLayerNorm",
+    "Gate",
+    "second_moment_constant",
+    "edge_vectors",
+    "energy_and_forces",
+    "save_checkpoint",
+    "load_checkpoint",
+]

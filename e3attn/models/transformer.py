@@ -1,0 +1,227 @@
+r"""A complete equivariant transformer: attention blocks with gates, self-interactions and layer norms."""
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping, Optional
+
+import torch
+from e3nn import o3
+
+from .._checks import check_batch, check_edge_index, check_features, check_pos
+from .._irreps import IrrepsLike, as_irreps
+from ..attention import EquivariantAttention
+from ..graph import radius_graph
+from ..heads import split_heads
+from ..linear import IrrepsLinear
+from ..scatter import scatter_sum
+from .gate import Gate
+from .norm import EquivariantLayerNorm
+
+__all__ = ["EquivariantTransformer"]
+
+REDUCTIONS = (None, "sum", "mean")
+_DATA_KEYS = ("pos", "x", "batch", "edge_index", "edge_vec", "node_attr")
+
+
+class _Block(torch.nn.Module):
+    """Attention -> gate -> self-interaction -> residual -> layer norm, on ``irreps`` features."""
+
+    def __init__(self, irreps: o3.Irreps, irreps_key: o3.Irreps, max_radius: float, **attention_kwargs) -> None:
+        super().__init__()
+        self.gate = Gate(irreps)
+        self.attention = EquivariantAttention(
+            irreps, irreps_key, irreps_key, self.gate.irreps_in, max_radius, **attention_kwargs
+        )
+        self.self_interaction = IrrepsLinear(irreps, irreps)
+        self.norm = EquivariantLayerNorm(irreps)
+
+    def forward(self, h, pos, edge_index, edge_vec):
+        update = self.attention(h, pos, edge_index, edge_vec=edge_vec)
+        return self.norm(h + self.self_interaction(self.gate(update)))
+
+
+class EquivariantTransformer(torch.nn.Module):
+    r"""An O(3)-equivariant transformer for point clouds and molecules, built on :class:`~e3attn.EquivariantAttention`.
+
+    With node inputs :math:`x_i` (``irreps_in``) and optional node attributes :math:`a_i`
+    (``irreps_node_attr``, e.g. one-hot atom types), concatenated:
+
+    .. math::
+
+        h^{(0)}_i &= W_\mathrm{emb}\,(x_i \oplus a_i) \\
+        h^{(t+1)}_i &= \mathrm{LN}\!\left(h^{(t)}_i + W^{(t)}\,
+            \mathrm{Gate}\!\left(\mathrm{Attn}^{(t)}(h^{(t)}, \vec x)_i\right)\right), \quad t < T \\
+        y_i &= W_\mathrm{out}\, h^{(T)}_i, \qquad
+        Y_b = \sum_{i \in b} y_i \ \ (\texttt{reduce="sum"}) \quad\text{or}\quad
+              \frac{1}{n_b}\sum_{i \in b} y_i \ \ (\texttt{"mean"})
+
+    :math:`W` are equivariant linear maps (:class:`~e3attn.linear.IrrepsLinear`),
+    :math:`\mathrm{Attn}^{(t)}` an :class:`~e3attn.EquivariantAttention` from
+    ``irreps_hidden`` to the gate's input, :math:`\mathrm{Gate}` a gated
+    nonlinearity (:class:`~e3attn.models.Gate`) and :math:`\mathrm{LN}` an
+    :class:`~e3attn.models.EquivariantLayerNorm`. Every layer maps ``irreps_hidden`` to
+    itself, so every layer has a residual connection. Odd outputs (e.g. ``0o``) need odd
+    irreps in ``irreps_hidden`` (e.g. ``0o`` and ``1e``) to be reachable.
+
+    The graph is built once per call (the radius graph of ``pos`` in each graph of
+    ``batch``) unless ``edge_index`` (and for periodic systems ``edge_vec``, see
+    :func:`~e3attn.radius_graph_pbc` and :func:`~e3attn.models.edge_vectors`) is given.
+
+    Args:
+        irreps_in: irreps of the node inputs ``x``.
+        irreps_hidden: irreps of the hidden features; every multiplicity divisible by ``num_heads``.
+        irreps_out: irreps of the outputs.
+        max_radius: cutoff radius of the attention.
+        num_layers: number of attention blocks :math:`T`.
+        num_heads: number of attention heads.
+        lmax: maximum degree of the spherical harmonics of the edges.
+        number_of_basis: size of the radial embedding.
+        radial_neurons: hidden size of the radial MLPs.
+        irreps_key: irreps of the queries and keys (default ``irreps_hidden``).
+        irreps_node_attr: irreps of the optional node attributes (``None``: none).
+        reduce: ``None`` (per-node outputs), ``"sum"`` or ``"mean"`` over each graph of ``batch``
+            (a graph index without nodes pools to zeros).
+
+    Shapes:
+        ``pos [N, 3]``, ``x [N, irreps_in.dim]``, ``node_attr [N, irreps_node_attr.dim]``,
+        ``batch [N]``, ``edge_index [2, E]``, ``edge_vec [E, 3]`` to ``[N, irreps_out.dim]``, or
+        ``[B, irreps_out.dim]`` with ``B = batch.max() + 1`` when ``reduce`` is set.
+
+    Example::
+
+        >>> model = EquivariantTransformer("1x0e", "8x0e + 2x0o + 2x1o + 2x1e", "1x0e + 1x0o", 1.5, reduce="sum")
+        >>> pos, batch = torch.randn(10, 3), torch.tensor([0] * 4 + [1] * 6)
+        >>> model(pos, batch=batch).shape
+        torch.Size([2, 2])
+        >>> model({"pos": pos, "batch": batch}).shape
+        torch.Size([2, 2])
+    """
+
+    def __init__(
+        self,
+        irreps_in: IrrepsLike,
+        irreps_hidden: IrrepsLike,
+        irreps_out: IrrepsLike,
+        max_radius: float,
+        *,
+        num_layers: int = 3,
+        num_heads: int = 1,
+        lmax: int = 2,
+        number_of_basis: int = 10,
+        radial_neurons: int = 16,
+        irreps_key: Optional[IrrepsLike] = None,
+        irreps_node_attr: Optional[IrrepsLike] = None,
+        reduce: Optional[str] = None,
+    ) -> None:
+        super().__init__()
+        self.irreps_in = as_irreps(irreps_in, "irreps_in")
+        self.irreps_hidden = as_irreps(irreps_hidden, "irreps_hidden")
+        self.irreps_out = as_irreps(irreps_out, "irreps_out")
+        self.irreps_key = self.irreps_hidden if irreps_key is None else as_irreps(irreps_key, "irreps_key")
+        self.irreps_node_attr = None if irreps_node_attr is None else as_irreps(irreps_node_attr, "irreps_node_attr")
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+        if reduce not in REDUCTIONS:
+            raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
+        split_heads(self.irreps_hidden, num_heads, "irreps_hidden")
+        split_heads(self.irreps_key, num_heads, "irreps_key")
+        self.reduce = reduce
+        irreps_embed = self.irreps_in if self.irreps_node_attr is None else self.irreps_in + self.irreps_node_attr
+        self.embedding = IrrepsLinear(irreps_embed, self.irreps_hidden)
+        self.layers = torch.nn.ModuleList(
+            _Block(
+                self.irreps_hidden, self.irreps_key, max_radius, num_heads=num_heads, lmax=lmax,
+                number_of_basis=number_of_basis, radial_neurons=radial_neurons,
+            )
+            for _ in range(num_layers)
+        )
+        self.max_radius = self.layers[0].attention.max_radius
+        self.output = IrrepsLinear(self.irreps_hidden, self.irreps_out)
+        self.config: Dict[str, Any] = dict(
+            irreps_in=str(self.irreps_in), irreps_hidden=str(self.irreps_hidden), irreps_out=str(self.irreps_out),
+            max_radius=self.max_radius, num_layers=num_layers, num_heads=num_heads, lmax=lmax,
+            number_of_basis=number_of_basis, radial_neurons=radial_neurons, irreps_key=str(self.irreps_key),
+            irreps_node_attr=None if self.irreps_node_attr is None else str(self.irreps_node_attr), reduce=reduce,
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self.irreps_in} -> {self.irreps_hidden} -> {self.irreps_out}, reduce={self.reduce!r}"
+
+    def forward(
+        self,
+        pos: Any,
+        x: Optional[torch.Tensor] = None,
+        batch: Optional[torch.Tensor] = None,
+        edge_index: Optional[torch.Tensor] = None,
+        edge_vec: Optional[torch.Tensor] = None,
+        *,
+        node_attr: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Outputs per node, or per graph when ``reduce`` is set.
+
+        ``pos`` may also be a mapping (e3nn style, ``{"pos": ..., "x": ..., "batch": ...}``)
+        or an object with such attributes (a torch_geometric ``Data``/``Batch``); the keys
+        ``pos``, ``x``, ``batch``, ``edge_index``, ``edge_vec`` and ``node_attr`` are read
+        (missing ones are ``None``), and the other arguments must then be left out.
+        ``x=None`` means ones, allowed when ``irreps_in`` holds only even scalars.
+        """
+        if not isinstance(pos, torch.Tensor):
+            if any(a is not None for a in (x, batch, edge_index, edge_vec, node_attr)):
+                raise ValueError("pass either a data object/mapping as pos, or tensors, not both")
+            pos, x, batch, edge_index, edge_vec, node_attr = _unpack(pos)
+        check_pos(pos)
+        num_nodes = pos.shape[0]
+        check_batch(batch, num_nodes)
+        h = self.embedding(self._embedding_input(pos, x, node_attr))
+        if edge_index is None:
+            if edge_vec is not None:
+                raise ValueError("edge_vec was given without edge_index: pass the edge_index it belongs to")
+            edge_index = radius_graph(pos, self.max_radius, batch)
+        else:
+            check_edge_index(edge_index, num_nodes)
+        if edge_vec is None:
+            edge_vec = pos[edge_index[0]] - pos[edge_index[1]]
+        for layer in self.layers:
+            h = layer(h, pos, edge_index, edge_vec)
+        out = self.output(h)
+        if self.reduce is None:
+            return out
+        return self._pool(out, batch)
+
+    def _embedding_input(self, pos: torch.Tensor, x: Optional[torch.Tensor], node_attr: Optional[torch.Tensor]):
+        """``x`` (or ones) concatenated with the node attributes, validated."""
+        num_nodes = pos.shape[0]
+        if x is None:
+            if any(ir != o3.Irrep("0e") for _, ir in self.irreps_in):
+                raise ValueError(f"x is required: irreps_in = {self.irreps_in} is not only even scalars")
+            x = pos.new_ones(num_nodes, self.irreps_in.dim)
+        check_features(x, self.irreps_in.dim, num_nodes, "x", str(self.irreps_in))
+        if self.irreps_node_attr is None:
+            if node_attr is not None:
+                raise ValueError("node_attr was given but the model has no irreps_node_attr")
+            return x
+        if node_attr is None:
+            raise ValueError(f"node_attr is required: the model has irreps_node_attr = {self.irreps_node_attr}")
+        check_features(node_attr, self.irreps_node_attr.dim, num_nodes, "node_attr", str(self.irreps_node_attr))
+        return torch.cat([x, node_attr], dim=1)
+
+    def _pool(self, out: torch.Tensor, batch: Optional[torch.Tensor]) -> torch.Tensor:
+        if batch is None:
+            batch = torch.zeros(out.shape[0], dtype=torch.long, device=out.device)
+        num_graphs = int(batch.max()) + 1 if batch.numel() > 0 else 0
+        pooled = scatter_sum(out, batch.long(), num_graphs)
+        if self.reduce == "mean":
+            count = scatter_sum(torch.ones_like(out[:, :1]), batch.long(), num_graphs)
+            pooled = pooled / count.clamp(min=1)
+        return pooled
+
+
+def _unpack(data: Any):
+    """The tensors of ``_DATA_KEYS`` from a mapping or an object with attributes (``None`` when missing)."""
+    if isinstance(data, Mapping):
+        return tuple(data.get(key) for key in _DATA_KEYS)
+    if not hasattr(data, "pos"):
+        raise ValueError(
+            f"pos must be a tensor [N, 3], a mapping with a 'pos' key or an object with a .pos attribute, "
+            f"got {type(data).__name__}"
+        )
+    return tuple(getattr(data, key, None) for key in _DATA_KEYS)

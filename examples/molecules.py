@@ -1,0 +1,349 @@
+r"""Energies and forces of metal clusters and crystals, labelled offline with ASE's EMT calculator.
+
+The data are made here, nothing is downloaded: 13-atom icosahedra, cuboctahedra and
+decahedra and 8-atom periodic fcc cells of Cu, Ni and Au (mixed: a quarter of the atoms
+swapped for another element), randomly strained and rattled, labelled with ASE's
+effective-medium-theory calculator (``ase.calculators.emt.EMT``). The model is an
+:class:`e3attn.models.EquivariantTransformer` with one-hot elements as node attributes
+and one energy per structure; forces are :math:`-\partial E / \partial x` by autograd
+(:func:`e3attn.models.energy_and_forces`), crystals use the periodic graph of
+:func:`e3attn.radius_graph_pbc`. Energies are fitted relative to a least-squares
+reference energy per element and in units of the RMS force component.
+
+Train (prints the held-out energy and force MAE, saves a parity plot and a checkpoint):
+
+    python examples/molecules.py [--epochs 30] [--device cuda] [--amp] [--save model.pt] [--out parity.png]
+
+Several processes (DistributedDataParallel; nccl on GPUs, gloo on CPUs):
+
+    torchrun --nproc_per_node 2 examples/molecules.py --ddp
+
+Predict with a checkpoint (new EMT-labelled structures, or any file ASE reads):
+
+    python examples/molecules.py --predict model.pt [--structures file.xyz]
+"""
+import os
+import warnings
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
+
+from e3attn.graph import radius_graph_pbc
+from e3attn.models import EquivariantTransformer, energy_and_forces, load_checkpoint, save_checkpoint
+
+import _common  # examples/_common.py: the script's folder is on sys.path
+
+SPECIES = ("Cu", "Ni", "Au")
+
+
+# ------------------------------------------------------------------ data
+
+
+def make_structures(num: int, seed: int):
+    """``num`` EMT-labelled structures (``ase.Atoms`` with energy and forces), reproducible from ``seed``."""
+    from ase.build import bulk
+    from ase.calculators.emt import EMT
+    from ase.calculators.singlepoint import SinglePointCalculator
+    from ase.cluster import Decahedron, Icosahedron, Octahedron
+
+    rng = np.random.default_rng(seed)
+    templates = [
+        lambda s: Icosahedron(s, 2),
+        lambda s: Octahedron(s, 3, 1),
+        lambda s: Decahedron(s, 2, 2, 0),
+        lambda s: bulk(s, "fcc", cubic=True).repeat((2, 1, 1)),
+    ]
+    structures = []
+    for _ in range(num):
+        host = SPECIES[rng.integers(len(SPECIES))]
+        atoms = templates[rng.integers(len(templates))](host)
+        symbols = atoms.get_chemical_symbols()
+        for i in np.flatnonzero(rng.random(len(atoms)) < 0.25):
+            symbols[i] = SPECIES[rng.integers(len(SPECIES))]
+        atoms.set_chemical_symbols(symbols)
+        atoms.set_cell(atoms.cell * rng.uniform(0.96, 1.04), scale_atoms=True)
+        atoms.positions += rng.normal(0.0, 0.12, atoms.positions.shape)
+        atoms.calc = EMT()
+        energy, forces = atoms.get_potential_energy(), atoms.get_forces()
+        atoms.calc = SinglePointCalculator(atoms, energy=energy, forces=forces)
+        structures.append(atoms)
+    return structures
+
+
+def to_sample(atoms, max_radius: float, labelled: bool = True) -> dict:
+    """Tensors of one structure, with its (periodic) graph."""
+    dtype = torch.get_default_dtype()
+    pos = torch.tensor(atoms.positions, dtype=dtype)
+    cell = torch.tensor(atoms.cell.array, dtype=dtype)
+    pbc = torch.tensor(atoms.pbc)
+    edge_index, shifts = radius_graph_pbc(pos, cell, pbc, max_radius)
+    unknown = sorted(set(atoms.get_chemical_symbols()) - set(SPECIES))
+    if unknown:
+        raise ValueError(f"structures may hold only the elements {SPECIES}, got {unknown}")
+    sample = {
+        "pos": pos,
+        "species": torch.tensor([SPECIES.index(s) for s in atoms.get_chemical_symbols()]),
+        "cell": cell,
+        "edge_index": edge_index,
+        "shifts": shifts,
+    }
+    if labelled:
+        sample["energy"] = torch.tensor(atoms.get_potential_energy(), dtype=dtype)
+        sample["forces"] = torch.tensor(atoms.get_forces(), dtype=dtype)
+    return sample
+
+
+def collate(samples) -> dict:
+    """One batch: concatenated atoms, edges shifted by the atoms before them, one cell per structure."""
+    sizes = torch.tensor([s["pos"].shape[0] for s in samples])
+    offsets = torch.cumsum(sizes, 0) - sizes
+    batch = {
+        "pos": torch.cat([s["pos"] for s in samples]),
+        "species": torch.cat([s["species"] for s in samples]),
+        "batch": torch.arange(len(samples)).repeat_interleave(sizes),
+        "cell": torch.stack([s["cell"] for s in samples]),
+        "edge_index": torch.cat([s["edge_index"] + o for s, o in zip(samples, offsets)], dim=1),
+        "shifts": torch.cat([s["shifts"] for s in samples]),
+        "num_atoms": sizes,
+    }
+    if "energy" in samples[0]:
+        batch["energy"] = torch.stack([s["energy"] for s in samples])
+        batch["forces"] = torch.cat([s["forces"] for s in samples])
+    return batch
+
+
+def fit_references(samples) -> dict:
+    """Least-squares energy per element and the RMS force component: the units the model learns in."""
+    counts = torch.stack([torch.bincount(s["species"], minlength=len(SPECIES)) for s in samples]).double()
+    energies = torch.stack([s["energy"] for s in samples]).double()
+    refs = torch.linalg.lstsq(counts, energies[:, None]).solution[:, 0]
+    scale = torch.cat([s["forces"] for s in samples]).double().pow(2).mean().sqrt()
+    return {"species": list(SPECIES), "references": refs.tolist(), "scale": float(scale)}
+
+
+# ------------------------------------------------------------------ model
+
+
+def build_model(args) -> EquivariantTransformer:
+    """One energy per structure from one-hot elements (and ones) on the atoms."""
+    return EquivariantTransformer(
+        "1x0e", args.hidden, "0e", args.max_radius, num_layers=args.layers, num_heads=args.heads, lmax=args.lmax,
+        irreps_node_attr=f"{len(SPECIES)}x0e", reduce="sum",
+    )
+
+
+def predict(model, batch: dict, units: dict, amp: bool = False, create_graph: bool = False):
+    """Energies (eV) and forces (eV/Angstrom) of a batch (on the model's device)."""
+    node_attr = torch.nn.functional.one_hot(batch["species"], len(SPECIES)).to(batch["pos"].dtype)
+    with torch.autocast(batch["pos"].device.type, dtype=torch.bfloat16, enabled=amp):
+        energy, forces = energy_and_forces(
+            model, batch["pos"], batch=batch["batch"], node_attr=node_attr, edge_index=batch["edge_index"],
+            shifts=batch["shifts"], cell=batch["cell"], create_graph=create_graph,
+        )
+    refs = torch.tensor(units["references"], dtype=energy.dtype, device=energy.device)
+    reference = torch.zeros_like(energy).index_add_(0, batch["batch"], refs[batch["species"]])
+    return units["scale"] * energy.float() + reference, units["scale"] * forces.float()
+
+
+def loss_fn(energy, forces, batch, units, force_weight):
+    """Energy per atom and force components, both in units of the RMS force (times 1 Angstrom)."""
+    e = (energy - batch["energy"]) / batch["num_atoms"].to(energy.dtype) / units["scale"]
+    f = (forces - batch["forces"]) / units["scale"]
+    return e.pow(2).mean() + force_weight * f.pow(2).mean()
+
+
+def evaluate(model, samples, units, device, amp=False, batch_size=16) -> dict:
+    """Energy MAE per atom and force MAE (meV) on ``samples``, with the predictions."""
+    model.eval()
+    true_e, pred_e, true_f, pred_f = [], [], [], []
+    for start in range(0, len(samples), batch_size):
+        batch = to_device(collate(samples[start : start + batch_size]), device)
+        energy, forces = predict(model, batch, units, amp)
+        n = batch["num_atoms"].to(energy.dtype)
+        true_e.append(batch["energy"] / n)
+        pred_e.append(energy.detach() / n)
+        true_f.append(batch["forces"].flatten())
+        pred_f.append(forces.detach().flatten())
+    out = {k: torch.cat(v).double().cpu() for k, v in
+           {"true_energy": true_e, "pred_energy": pred_e, "true_forces": true_f, "pred_forces": pred_f}.items()}
+    out["energy_mae_meV_per_atom"] = 1000 * (out["pred_energy"] - out["true_energy"]).abs().mean().item()
+    out["force_mae_meV_per_A"] = 1000 * (out["pred_forces"] - out["true_forces"]).abs().mean().item()
+    return out
+
+
+def to_device(batch: dict, device) -> dict:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def plot_parity(result: dict, path) -> None:
+    plt = _common.pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(9, 4))
+    panels = [
+        ("energy", "energy per atom (eV)", result["energy_mae_meV_per_atom"], "meV/atom"),
+        ("forces", "force component (eV/Å)", result["force_mae_meV_per_A"], "meV/Å"),
+    ]
+    for ax, (key, label, mae, unit) in zip(axes, panels):
+        true, pred = result[f"true_{key}"].numpy(), result[f"pred_{key}"].numpy()
+        lo, hi = min(true.min(), pred.min()), max(true.max(), pred.max())
+        ax.plot([lo, hi], [lo, hi], color="grey", lw=1)
+        ax.scatter(true, pred, s=6, alpha=0.6)
+        ax.set_xlabel(f"EMT {label}")
+        ax.set_ylabel(f"predicted {label}")
+        ax.set_title(f"held-out MAE {mae:.1f} {unit}")
+    fig.suptitle("e3attn on EMT-labelled Cu/Ni/Au clusters and crystals")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------ processes and devices
+
+
+def init_distributed(args):
+    """``(rank, world_size, device)``; with ``--ddp``, joins the process group torchrun set up."""
+    device = torch.device(args.device)
+    if not args.ddp:
+        return 0, 1, device
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def parse_args(argv=None):
+    p = _common.parser(__doc__)
+    p.add_argument("--train", type=int, default=240, help="training structures")
+    p.add_argument("--test", type=int, default=60, help="held-out structures")
+    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--batch-size", type=int, default=8, help="structures per batch (per process with --ddp)")
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--force-weight", type=float, default=0.1,
+                   help="weight of the force term; the energy-per-atom term has weight 1")
+    p.add_argument("--max-radius", type=float, default=4.0, help="cutoff in Angstrom")
+    p.add_argument("--hidden", default="16x0e + 8x1o", help="hidden irreps")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lmax", type=int, default=2)
+    p.add_argument("--amp", action="store_true", help="bfloat16 autocast (CUDA only)")
+    p.add_argument("--ddp", action="store_true", help="DistributedDataParallel; launch with torchrun")
+    p.add_argument("--save", default=None, help="write a checkpoint here after training")
+    p.add_argument("--predict", default=None, metavar="CHECKPOINT", help="load a checkpoint and predict")
+    p.add_argument("--structures", default=None, help="with --predict: a file ASE reads (default: new EMT data)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.train, args.test, args.epochs = min(args.train, 8), min(args.test, 4), min(args.epochs, 2)
+        args.batch_size = min(args.batch_size, 4)
+    if args.amp and not args.device.startswith("cuda"):
+        warnings.warn("--amp needs a CUDA device: running in float32 on the CPU", stacklevel=2)
+        args.amp = False
+    return args
+
+
+# ------------------------------------------------------------------ training and prediction
+
+
+def train(args):
+    """Train on EMT data; returns ``(model, metrics)`` (the model unwrapped from DDP)."""
+    from tqdm import tqdm
+
+    rank, world, device = init_distributed(args)
+    torch.manual_seed(args.seed)
+    train_set = [to_sample(a, args.max_radius) for a in make_structures(args.train, args.seed)]
+    test_set = [to_sample(a, args.max_radius) for a in make_structures(args.test, args.seed + 10_000)]
+    units = fit_references(train_set)
+
+    model = build_model(args).to(device)
+    module = model
+    if args.ddp:
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    sampler = DistributedSampler(train_set, world, rank, shuffle=True, seed=args.seed) if args.ddp else None
+    loader = DataLoader(train_set, args.batch_size, shuffle=sampler is None, sampler=sampler, collate_fn=collate,
+                        generator=torch.Generator().manual_seed(args.seed))
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, args.epochs * len(loader))
+
+    bar = tqdm(range(args.epochs), desc="training", disable=rank != 0 or args.quiet)
+    losses = []
+    for epoch in bar:
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        model.train()
+        total = 0.0
+        for batch in loader:
+            batch = to_device(batch, device)
+            energy, forces = predict(model, batch, units, args.amp, create_graph=True)
+            loss = loss_fn(energy, forces, batch, units, args.force_weight)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            total += loss.item()
+        losses.append(total / len(loader))
+        bar.set_postfix(loss=f"{losses[-1]:.3e}")
+
+    result = evaluate(module, test_set, units, device, args.amp)
+    metrics = {
+        "energy_mae_meV_per_atom": result["energy_mae_meV_per_atom"],
+        "force_mae_meV_per_A": result["force_mae_meV_per_A"],
+        "train_losses": losses,
+        "num_train": len(train_set),
+        "num_test": len(test_set),
+        "world_size": world,
+    }
+    if rank == 0:
+        path = _common.figure_path(args.out, "parity.png")
+        plot_parity(result, path)
+        metrics["figure"] = str(path)
+        if args.save:
+            save_checkpoint(module, args.save, units=units, metrics={k: metrics[k] for k in
+                                                                     ("energy_mae_meV_per_atom", "force_mae_meV_per_A")})
+        print(f"held-out ({len(test_set)} structures): energy MAE {metrics['energy_mae_meV_per_atom']:.1f} meV/atom, "
+              f"force MAE {metrics['force_mae_meV_per_A']:.1f} meV/A; parity plot saved to {path}")
+    if args.ddp:
+        dist.destroy_process_group()
+    return module, metrics
+
+
+def predict_main(args) -> dict:
+    """Load ``args.predict``, predict energies and forces, and compare with EMT when labels exist."""
+    device = torch.device(args.device)
+    model, extra = load_checkpoint(args.predict, map_location=device)
+    units = extra["units"]
+    if args.structures:
+        from ase.io import read
+
+        structures = read(args.structures, index=":")
+    else:
+        structures = make_structures(args.test, args.seed + 20_000)
+    labelled = all(a.calc is not None for a in structures)
+    samples = [to_sample(a, model.max_radius, labelled) for a in structures]
+    energies = []
+    for start in range(0, len(samples), 16):
+        energy, _ = predict(model, to_device(collate(samples[start : start + 16]), device), units)
+        energies += energy.detach().cpu().tolist()
+    for atoms, e in zip(structures, energies):
+        print(f"{atoms.get_chemical_formula():>12s}  predicted energy {e:10.4f} eV")
+    metrics = {"energies": energies}
+    if labelled:
+        result = evaluate(model, samples, units, device)
+        metrics.update({k: result[k] for k in ("energy_mae_meV_per_atom", "force_mae_meV_per_A")})
+        print(f"against EMT: energy MAE {metrics['energy_mae_meV_per_atom']:.1f} meV/atom, "
+              f"force MAE {metrics['force_mae_meV_per_A']:.1f} meV/A")
+    return metrics
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.predict:
+        return predict_main(args)
+    return train(args)[1]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_replica(rank: int, world_size: int, port: int, folder: str) -> None:
+    """One torchrun-like process: the example's --ddp training, then its weights written to ``folder``."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(EXAMPLES))
+    import molecules
+
+    args = molecules.parse_args(["--ddp", "--smoke", "--device", "cpu", "--quiet", "--out", f"{folder}/parity.png"])
+    model, metrics = molecules.train(args)
+    torch.save({"state_dict": model.state_dict(), "metrics": metrics}, f"{folder}/rank{rank}.pt")
+
+
+@pytest.mark.slow
+def test_ddp_replicas_hold_identical_weights(tmp_path):
+    mp.spawn(train_replica, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    replicas = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    assert all(r["metrics"]["world_size"] == 2 for r in replicas)
+
+    sys.path.insert(0, str(EXAMPLES))
+    import molecules
+
+    torch.manual_seed(0)  # the example's seed: the weights every replica started from
+    initial = molecules.build_model(molecules.parse_args(["--smoke"])).state_dict()
+    first, second = replicas[0]["state_dict"], replicas[1]["state_dict"]
+    assert first.keys() == second.keys() == initial.keys()
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+    assert any(not torch.equal(first[name], initial[name]) for name in first)  # they did train
+
+
+def test_ddp_shards_differ():
+    from torch.utils.data import DistributedSampler
+
+    data = list(range(8))
+    shards = [list(DistributedSampler(data, 2, rank, shuffle=True, seed=0)) for rank in range(2)]
+    assert sorted(shards[0] + shards[1]) == data  # every structure once per epoch, each on one replica
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
+def test_torchrun_launch(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    command = ["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), str(EXAMPLES / "molecules.py"),
+               "--ddp", "--smoke", "--device", "cpu", "--quiet", "--out", str(tmp_path / "parity.png")]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "held-out" in done.stdout and (tmp_path / "parity.png").exists()

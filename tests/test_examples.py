@@ -1,0 +1,120 @@
+import itertools
+import pathlib
+
+import pytest
+import torch
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def examples(monkeypatch):
+    """The examples folder on sys.path, as when a script is run from it."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+
+
+def test_tetris_smoke(examples, tmp_path):
+    import tetris
+
+    result = tetris.main(["--smoke", "--device", "cpu", "--out", str(tmp_path / "curve.png")])
+    assert (tmp_path / "curve.png").read_bytes()[:8] == PNG
+    assert result["num_test"] == 8 * 4 and 0.0 <= result["test_accuracy"] <= 1.0
+    assert result["equivariance_error"]["float64"] < 1e-10
+    assert result["equivariance_error"]["float32"] < 1e-3
+
+
+def test_tetris_logits_swap_only_the_chiral_pair_under_a_mirror(examples):
+    import tetris
+
+    out = torch.randn(5, 8)
+    mirrored = out.clone()
+    mirrored[:, 7] *= -1  # the odd scalar flips sign
+    logits, flipped = tetris.logits_from(out), tetris.logits_from(mirrored)
+    torch.testing.assert_close(flipped[:, :6], logits[:, :6])
+    torch.testing.assert_close(flipped[:, [6, 7]], logits[:, [7, 6]])
+
+
+def test_tetris_shapes_are_the_eight_free_tetracubes(examples):
+    import tetris
+
+    def canonical(cubes, improper):
+        """Sorted coordinates, minimised over the 24 (or 48 with reflections) cube symmetries and translations."""
+        forms = []
+        for perm in itertools.permutations(range(3)):
+            for signs in itertools.product([1, -1], repeat=3):
+                m = torch.zeros(3, 3, dtype=torch.long)
+                m[range(3), perm] = torch.tensor(signs)
+                if improper or torch.det(m.double()) > 0:
+                    p = torch.tensor(cubes) @ m.T
+                    forms.append(tuple(sorted(map(tuple, (p - p.min(0).values).tolist()))))
+        return min(forms)
+
+    shapes = list(tetris.SHAPES.values())
+    for cubes in shapes:  # connected face to face, 4 distinct cubes
+        assert len(set(cubes)) == 4
+        assert all(any(sum(abs(a - b) for a, b in zip(c, d)) == 1 for d in cubes if d != c) for c in cubes)
+    assert len({canonical(s, improper=False) for s in shapes}) == 8  # distinct under rotations
+    assert len({canonical(s, improper=True) for s in shapes}) == 7  # one mirror pair
+
+
+def test_molecules_smoke_train_save_predict(examples, tmp_path):
+    import molecules
+    from ase.io import write
+
+    from e3attn.models.checkpoint import load_checkpoint
+
+    checkpoint, figure = tmp_path / "model.pt", tmp_path / "parity.png"
+    args = molecules.parse_args(["--smoke", "--device", "cpu", "--quiet", "--save", str(checkpoint), "--out", str(figure)])
+    model, metrics = molecules.train(args)
+    assert figure.read_bytes()[:8] == PNG
+    assert metrics["num_test"] == 4 and len(metrics["train_losses"]) == 2
+    assert metrics["energy_mae_meV_per_atom"] > 0 and metrics["force_mae_meV_per_A"] > 0
+
+    loaded, extra = load_checkpoint(checkpoint)
+    assert extra["units"]["species"] == list(molecules.SPECIES)
+
+    structures = molecules.make_structures(3, seed=123)
+    write(tmp_path / "structures.xyz", structures)
+    predicted = molecules.main(["--predict", str(checkpoint), "--structures", str(tmp_path / "structures.xyz"),
+                                "--device", "cpu"])
+    samples = [molecules.to_sample(a, model.max_radius) for a in structures]
+    expected, _ = molecules.predict(model.eval(), molecules.collate(samples), extra["units"])
+    torch.testing.assert_close(torch.tensor(predicted["energies"]), expected.detach(), atol=1e-4, rtol=0)
+    assert predicted["force_mae_meV_per_A"] > 0  # the xyz file carries the EMT labels
+
+
+def test_molecules_labels_are_emt(examples):
+    import molecules
+    from ase.calculators.emt import EMT
+
+    atoms = molecules.make_structures(1, seed=7)[0]
+    energy, forces = atoms.get_potential_energy(), atoms.get_forces()
+    fresh = atoms.copy()
+    fresh.calc = EMT()
+    assert abs(fresh.get_potential_energy() - energy) < 1e-10
+    assert abs(fresh.get_forces() - forces).max() < 1e-10
+    assert abs(forces.sum(0)).max() < 1e-8  # no net force
+
+
+def test_molecules_batches_equal_single_structures(examples):
+    import molecules
+
+    samples = [molecules.to_sample(a, 4.0) for a in molecules.make_structures(3, seed=5)]
+    units = molecules.fit_references(samples)
+    torch.manual_seed(0)
+    model = molecules.build_model(molecules.parse_args([])).eval()
+    energy, forces = molecules.predict(model, molecules.collate(samples), units)
+    for i, s in enumerate(samples):
+        e, f = molecules.predict(model, molecules.collate([s]), units)
+        torch.testing.assert_close(e, energy[i : i + 1], atol=1e-4, rtol=1e-6)
+        n0 = sum(t["pos"].shape[0] for t in samples[:i])
+        torch.testing.assert_close(f, forces[n0 : n0 + s["pos"].shape[0]], atol=1e-4, rtol=1e-5)
+
+
+def test_molecules_amp_on_cpu_warns_and_runs_in_float32(examples):
+    import molecules
+
+    with pytest.warns(UserWarning, match="--amp needs a CUDA device"):
+        args = molecules.parse_args(["--smoke", "--device", "cpu", "--amp"])
+    assert args.amp is False
