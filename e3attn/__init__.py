@@ -1,12 +1,13 @@
 r"""e3attn: SE(3)/O(3)-equivariant graph attention on e3nn and PyTorch."""
 from .attention import EquivariantAttention
 from .graph import complete_graph, radius_graph, radius_graph_pbc
-from .heads import MultiHeadDot, head_index, split_heads
+from .heads import MultiHeadDot, head_index, scale_heads, split_heads
 from .linear import IrrepsLinear
 from .multihead import GraphMultiHeadAttention, MultiHeadAttention
 from .plain import dense_attention, graph_attention
 from .radial import RadialEmbedding, RadialMLP, cutoff_weight, soft_unit_step
 from .scatter import scatter_max, scatter_sum, segment_softmax
+from .spherical_harmonics import SphericalHarmonics
 from .tensor_product import SphericalTensorProduct
 from . import models, testing, viz
 
@@ -26,10 +27,12 @@ __all__ = [
     "cutoff_weight",
     "soft_unit_step",
     "SphericalTensorProduct",
+    "SphericalHarmonics",
     "IrrepsLinear",
     "MultiHeadDot",
     "split_heads",
     "head_index",
+    "scale_heads",
     "scatter_sum",
     "scatter_max",
     "segment_softmax",

@@ -1,9 +1,18 @@
-"""Input validation shared by the public functions: clear errors naming the argument."""
+"""Input validation shared by the public functions: clear errors naming the argument.
+
+Checks of tensor *values* (finite positions, indices in range) need the data on the host; they are
+skipped while ``torch.compile`` traces (shapes and dtypes are still checked), see :func:`_tracing`.
+"""
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+
+
+def _tracing() -> bool:
+    """Whether ``torch.compile`` is tracing: value checks would be data-dependent branches."""
+    return torch.compiler.is_compiling()
 
 
 def check_pos(pos: torch.Tensor, name: str = "pos") -> None:
@@ -14,7 +23,7 @@ def check_pos(pos: torch.Tensor, name: str = "pos") -> None:
         raise ValueError(f"{name} must have shape [N, 3], got {list(pos.shape)}")
     if not pos.is_floating_point():
         raise ValueError(f"{name} must be a floating-point tensor, got dtype {pos.dtype}")
-    if not bool(torch.isfinite(pos).all()):
+    if not _tracing() and not bool(torch.isfinite(pos).all()):
         raise ValueError(f"{name} contains NaN or infinite values")
 
 
@@ -39,7 +48,7 @@ def check_edge_index(edge_index: torch.Tensor, num_nodes: int, name: str = "edge
         raise ValueError(f"{name} must have shape [2, E], got {list(edge_index.shape)}")
     if edge_index.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"{name} must be an integer (int64 or int32) tensor, got dtype {edge_index.dtype}")
-    if edge_index.numel() > 0:
+    if edge_index.numel() > 0 and not _tracing():
         lo, hi = int(edge_index.min()), int(edge_index.max())
         if lo < 0 or hi >= num_nodes:
             raise ValueError(f"{name} has entries in [{lo}, {hi}], outside the valid node range [0, {num_nodes})")
@@ -55,7 +64,7 @@ def check_batch(batch: Optional[torch.Tensor], num_nodes: int, name: str = "batc
         raise ValueError(f"{name} must have shape [{num_nodes}] (one graph index per point), got {list(batch.shape)}")
     if batch.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"{name} must be an integer tensor, got dtype {batch.dtype}")
-    if batch.numel() > 0 and int(batch.min()) < 0:
+    if batch.numel() > 0 and not _tracing() and int(batch.min()) < 0:
         raise ValueError(f"{name} must hold non-negative graph indices")
 
 
@@ -65,5 +74,5 @@ def check_edge_vec(edge_vec: torch.Tensor, num_edges: int, name: str = "edge_vec
         raise TypeError(f"{name} must be a torch.Tensor of shape [E, 3], got {type(edge_vec).__name__}")
     if edge_vec.dim() != 2 or edge_vec.shape[1] != 3 or edge_vec.shape[0] != num_edges:
         raise ValueError(f"{name} must have shape [{num_edges}, 3] (one vector per edge), got {list(edge_vec.shape)}")
-    if not bool(torch.isfinite(edge_vec).all()):
+    if not _tracing() and not bool(torch.isfinite(edge_vec).all()):
         raise ValueError(f"{name} contains NaN or infinite values")

@@ -17,14 +17,26 @@ class Float64ConstantsModule(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._float64_constants: list = []
+        self._casts: dict = {}
 
     def register_constant(self, name: str, value: torch.Tensor) -> None:
         """Register ``value`` (converted to float64) as the non-persistent buffer ``name``."""
         self.register_buffer(name, value.to(torch.float64), persistent=False)
         self._float64_constants.append(name)
 
+    def constant(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """The constant ``name`` cast to ``dtype``, cached until the module is moved."""
+        value = self._buffers[name]
+        if dtype == value.dtype or torch.compiler.is_compiling():
+            return value.to(dtype)
+        cached = self._casts.get((name, dtype))
+        if cached is None:
+            cached = self._casts[(name, dtype)] = value.to(dtype)
+        return cached
+
     def _apply(self, fn, recurse=True):  # noqa: D401 - torch.nn.Module override
         kept = {name: self._buffers[name] for name in self._float64_constants}
+        self._casts.clear()
         super()._apply(fn, recurse)
         for name, value in kept.items():
             self._buffers[name] = value.to(device=self._buffers[name].device)

@@ -11,10 +11,11 @@ from e3nn import o3
 from ._checks import check_batch, check_edge_index, check_edge_vec, check_features, check_pos
 from ._irreps import IrrepsLike, as_irreps
 from .graph import radius_graph
-from .heads import MultiHeadDot, head_index, split_heads
+from .heads import MultiHeadDot, scale_heads, split_heads
 from .linear import IrrepsLinear
 from .radial import RadialEmbedding, RadialMLP, log_soft_unit_step
 from .scatter import scatter_sum, segment_softmax
+from .spherical_harmonics import SphericalHarmonics
 from .tensor_product import SphericalTensorProduct
 
 __all__ = ["EquivariantAttention"]
@@ -117,15 +118,17 @@ class EquivariantAttention(torch.nn.Module):
         self.num_heads = num_heads
         self.aggregation = aggregation
         self.irreps_sh = o3.Irreps.spherical_harmonics(lmax)
+        # plain Python values for forward: torch.compile cannot guard on e3nn's Irreps
+        self._input = (self.irreps_input.dim, str(self.irreps_input))
 
         self.embedding = RadialEmbedding(number_of_basis, max_radius, basis)
         self.max_radius = self.embedding.max_radius
-        self.sh = o3.SphericalHarmonics(self.irreps_sh, normalize=True, normalization="component")
+        self.sh = SphericalHarmonics(lmax)
         self.tp = SphericalTensorProduct(self.irreps_input, self.irreps_sh, [self.irreps_key, self.irreps_output])
         self.radial = RadialMLP(number_of_basis, radial_neurons, self.tp.weight_numel)
         self.query = IrrepsLinear(self.irreps_input, self.irreps_query)
         self.dot = MultiHeadDot(self.irreps_query, self.irreps_key, num_heads)
-        self.register_buffer("head_of_channel", head_index(self.irreps_output, num_heads), persistent=False)
+        self._output_sizes = [mul * ir.dim for mul, ir in self.irreps_output]
         self._attention_hooks: "OrderedDict[int, AttentionHook]" = OrderedDict()
 
     def extra_repr(self) -> str:
@@ -161,7 +164,7 @@ class EquivariantAttention(torch.nn.Module):
         """
         check_pos(pos)
         num_nodes = pos.shape[0]
-        check_features(f, self.irreps_input.dim, num_nodes, "f", str(self.irreps_input))
+        check_features(f, self._input[0], num_nodes, "f", self._input[1])
         check_batch(batch, num_nodes)
         if edge_index is None:
             if edge_vec is not None:
@@ -171,15 +174,15 @@ class EquivariantAttention(torch.nn.Module):
             check_edge_index(edge_index, num_nodes)
         src, dst = edge_index[0].long(), edge_index[1].long()
         if edge_vec is None:
-            edge_vec = pos[src] - pos[dst]
+            edge_vec = _edge_vectors(pos, src, dst)
         else:
             check_edge_vec(edge_vec, src.shape[0])
 
-        q, k, v, log_c = self._edge_terms(f, f[src], edge_vec)
-        logits = (q[dst] * k).sum(-1) + log_c[:, None]  # [E, H]
+        q, k, v, log_c = self._edge_terms(f, f, edge_vec, src)
+        logits = (q.index_select(0, dst) * k).sum(-1) + log_c[:, None]  # [E, H]
         alpha, sqrt_alpha = segment_softmax(logits, dst, num_nodes, return_sqrt=True)
         weight = sqrt_alpha if self.aggregation == "sqrt_alpha" else alpha
-        out = scatter_sum(v * weight[:, self.head_of_channel], dst, num_nodes)
+        out = scatter_sum(scale_heads(v, weight, self._output_sizes), dst, num_nodes)
 
         for hook in self._attention_hooks.values():
             hook(self, edge_index, alpha.detach())
@@ -187,10 +190,16 @@ class EquivariantAttention(torch.nn.Module):
             return out, alpha
         return out
 
-    def _edge_terms(self, f: torch.Tensor, f_src: torch.Tensor, edge_vec: torch.Tensor):
-        """Projected queries per node, keys and values per edge, and the log cutoff weights."""
+    def _edge_terms(
+        self, f: torch.Tensor, f_src: torch.Tensor, edge_vec: torch.Tensor, src: Optional[torch.Tensor] = None
+    ):
+        """Projected queries per node, keys and values per edge, and the log cutoff weights.
+
+        ``f_src`` are the source features of every edge, or with ``src`` the node features ``f_src[src]``.
+        """
         r = edge_vec.norm(dim=-1)
-        k, v = self.tp(f_src, self.sh(edge_vec), self.radial(self.embedding(r)))
+        hidden = self.radial.hidden_features(self.embedding(r))
+        k, v = self.tp.forward_factored(f_src, self.sh(edge_vec), hidden, self.radial.output_layers(), index=src)
         q = self.dot.project_query(self.query(f))
         log_c = log_soft_unit_step(10.0 * (1.0 - r / self.max_radius))
         return q, self.dot.key_heads(k), v, log_c
@@ -211,11 +220,10 @@ class EquivariantAttention(torch.nn.Module):
         """
         check_pos(pos)
         n = pos.shape[0]
-        check_features(f, self.irreps_input.dim, n, "f", str(self.irreps_input))
+        check_features(f, self._input[0], n, "f", self._input[1])
         check_batch(batch, n)
         edge_vec = (pos[None, :, :] - pos[:, None, :]).reshape(n * n, 3)  # row i (dst), column j (src)
-        f_src = f[None].expand(n, n, f.shape[1]).reshape(n * n, f.shape[1])
-        q, k, v, log_c = self._edge_terms(f, f_src, edge_vec)
+        q, k, v, log_c = self._edge_terms(f, f, edge_vec, torch.arange(n, device=pos.device).repeat(n))
         h = self.num_heads
         logits = (q[:, None] * k.reshape(n, n, h, k.shape[-1])).sum(-1) + log_c.reshape(n, n, 1)
         allowed = ~torch.eye(n, dtype=torch.bool, device=pos.device)
@@ -228,5 +236,20 @@ class EquivariantAttention(torch.nn.Module):
         z = numerator.sum(dim=1, keepdim=True)
         z = torch.where(z > 0, z, torch.ones_like(z))
         weight = numerator / z if self.aggregation == "alpha" else (0.5 * (logits - m)).exp() * z.rsqrt()
-        weight = weight[:, :, self.head_of_channel]  # [N, N, dim_out]
-        return (weight * v.reshape(n, n, v.shape[1])).sum(dim=1)
+        weighted = scale_heads(v, weight.reshape(n * n, h), self._output_sizes)
+        return weighted.reshape(n, n, weighted.shape[1]).sum(dim=1)
+
+
+def _edge_vectors(pos: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    r"""``pos[src] - pos[dst]`` ``[E, 3]``, gathered from the flattened positions.
+
+    The gradient is then a one-dimensional ``index_add``; the two-dimensional one of
+    ``pos[src]`` is miscompiled by ``torch.compile`` on CPU (torch 2.13: wrong gradients and
+    out-of-bounds writes), which the compile tests would catch.
+    """
+    flat, xyz = pos.reshape(-1), torch.arange(3, device=pos.device)
+
+    def rows(index: torch.Tensor) -> torch.Tensor:
+        return flat.index_select(0, (3 * index[:, None] + xyz).reshape(-1))
+
+    return (rows(src) - rows(dst)).view(-1, 3)

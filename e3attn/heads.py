@@ -2,13 +2,14 @@ r"""Attention heads: splitting irreps into heads and the per-head query-key dot 
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 from e3nn import o3
 
 from ._irreps import IrrepsLike, as_irreps, entries, split_entries
 
-__all__ = ["split_heads", "head_index", "MultiHeadDot"]
+__all__ = ["split_heads", "head_index", "scale_heads", "MultiHeadDot"]
 
 
 def split_heads(irreps: IrrepsLike, num_heads: int, name: str = "irreps") -> o3.Irreps:
@@ -43,6 +44,36 @@ def head_index(irreps: IrrepsLike, num_heads: int) -> torch.Tensor:
         torch.arange(num_heads).repeat_interleave(mul * ir.dim) for mul, ir in irreps
     ]
     return torch.cat(index) if index else torch.zeros(0, dtype=torch.long)
+
+
+def scale_heads(x: torch.Tensor, weight: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    r"""Multiply every channel of ``x`` by the weight of its head, without expanding the weights.
+
+    .. math:: y_{e, c} = w_{e, h(c)}\, x_{e, c}
+
+    with :math:`h(c)` the head of channel :math:`c` (:func:`head_index`): ``x``
+    is a concatenation of irreps of sizes ``sizes`` (``mul * (2l + 1)``), each
+    split into ``H`` contiguous blocks, one per head.
+
+    Args:
+        x: ``[E, sum(sizes)]``.
+        weight: ``[E, H]``.
+        sizes: the dimensions of the irreps of ``x`` (``mul * (2l + 1)``, ``mul`` divisible by ``H``).
+
+    Returns:
+        ``[E, sum(sizes)]``.
+
+    Example::
+
+        >>> scale_heads(torch.ones(1, 10), torch.tensor([[1.0, 2.0]]), [4, 6])
+        tensor([[1., 1., 2., 2., 1., 1., 1., 2., 2., 2.]])
+    """
+    num, heads = weight.shape
+    if heads == 1:
+        return x * weight
+    parts = [(p.reshape(num, heads, size // heads) * weight[:, :, None]).reshape(num, size)
+             for p, size in zip(x.split(list(sizes), dim=1), sizes)]
+    return torch.cat(parts, dim=1) if parts else x * 0
 
 
 class MultiHeadDot(torch.nn.Module):

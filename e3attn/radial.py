@@ -128,10 +128,14 @@ class RadialEmbedding(Float64ConstantsModule):
         return f"number_of_basis={self.number_of_basis}, max_radius={self.max_radius}, basis={self.basis!r}"
 
     def forward(self, r: torch.Tensor) -> torch.Tensor:
-        centers = self.centers.to(r.dtype)
+        centers = self.constant("centers", r.dtype)
         if self.basis == "smooth_finite":
+            # u(d + 1) u(1 - d) = exp(-1/(1 + d) - 1/(1 - d)) = exp(-2 / (1 - d^2)) for |d| < 1, else 0
             d = (r[..., None] - centers) / self.step
-            out = _SMOOTH_FINITE_NORM * soft_unit_step(d + 1) * soft_unit_step(1 - d)
+            gap = 1 - d * d
+            inside = gap > 0
+            gap = torch.where(inside, gap, torch.ones_like(gap))
+            out = torch.where(inside, (-2 / gap).exp(), torch.zeros_like(gap)) * _SMOOTH_FINITE_NORM
         elif self.basis == "gaussian":
             d = (r[..., None] - centers) / self.step
             out = _GAUSSIAN_NORM * torch.exp(-d.pow(2)) * _polynomial_envelope(r / self.max_radius)[..., None]
@@ -194,6 +198,16 @@ class RadialMLP(torch.nn.Module):
         self.weight2 = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(hidden, n)) for n in self.outputs])
 
     def forward(self, emb: torch.Tensor) -> List[torch.Tensor]:
+        return [h @ w for h, w in zip(self.hidden_features(emb), self.output_layers())]
+
+    def hidden_features(self, emb: torch.Tensor) -> List[torch.Tensor]:
+        r"""The hidden layers :math:`h^{(t)}`, ``[E, hidden]`` each.
+
+        ``forward(emb)[t] == hidden_features(emb)[t] @ output_layers()[t]``.
+        """
         h = torch.nn.functional.silu(emb @ (self.weight1 / math.sqrt(self.number_of_basis))) * _SILU_NORM
-        hs = h.split(self.hidden, dim=1)
-        return [x @ (w / math.sqrt(self.hidden)) for x, w in zip(hs, self.weight2)]
+        return list(h.split(self.hidden, dim=1))
+
+    def output_layers(self) -> List[torch.Tensor]:
+        r"""The normalised second layers :math:`W_2^{(t)} / \sqrt{h}`, ``[hidden, outputs[t]]`` each."""
+        return [w / math.sqrt(self.hidden) for w in self.weight2]

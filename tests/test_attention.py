@@ -191,30 +191,39 @@ def test_large_logits_do_not_overflow():
     assert (q[dst] * k).sum(-1).abs().max() > 1e3
 
 
-def test_empty_graph_gives_zeros_and_finite_gradients():
-    layer = make_layer()
+HEADED = ("4x0e + 2x1o", "4x0e + 2x1o", "4x0e + 2x1o", "2x0e + 4x1o")
+
+
+@pytest.mark.parametrize("num_heads", [1, 2])
+def test_empty_graph_gives_zeros_and_finite_gradients(num_heads):
+    layer = make_layer(HEADED, num_heads=num_heads)
     pos = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
     f = torch.randn(5, layer.irreps_input.dim, dtype=torch.float64, requires_grad=True)
     out, alpha = layer(f, pos, torch.zeros(2, 0, dtype=torch.long), return_attention=True)
-    assert out.shape == (5, layer.irreps_output.dim) and alpha.shape == (0, 1)
+    assert out.shape == (5, layer.irreps_output.dim) and alpha.shape == (0, num_heads)
     assert torch.equal(out, torch.zeros_like(out))
+    # forces (a gradient with create_graph) and a loss on them: defined, and zero without edges
+    (forces,) = torch.autograd.grad(out.pow(2).sum() + out.sum(), pos, create_graph=True, allow_unused=True)
+    assert forces is None or torch.equal(forces, torch.zeros_like(forces))
     out.sum().backward()
     for t in (pos.grad, f.grad):
-        assert t is None or torch.isfinite(t).all()
+        assert t is None or torch.equal(t, torch.zeros_like(t))
     params = [p.grad for p in layer.parameters() if p.grad is not None]
-    assert all(torch.isfinite(g).all() for g in params)
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in params)
 
 
-def test_isolated_single_and_no_nodes():
-    layer = make_layer()
+@pytest.mark.parametrize("num_heads", [1, 2])
+def test_isolated_single_and_no_nodes(num_heads):
+    layer = make_layer(HEADED, num_heads=num_heads)
     pos = torch.tensor([[0.0, 0.0, 0.0], [0.5, 0.0, 0.0], [10.0, 0.0, 0.0]], dtype=torch.float64)
     f = torch.randn(3, layer.irreps_input.dim, dtype=torch.float64)
-    out = layer(f, pos)
-    assert torch.equal(out[2], torch.zeros_like(out[2]))
-    assert out[:2].abs().max() > 0
-    assert torch.equal(layer(f[:1], pos[:1]), torch.zeros(1, layer.irreps_output.dim, dtype=torch.float64))
-    empty = layer(f[:0], pos[:0])
-    assert empty.shape == (0, layer.irreps_output.dim)
+    zeros = torch.zeros(1, layer.irreps_output.dim, dtype=torch.float64)
+    for form in (layer, layer.dense):
+        out = form(f, pos)
+        assert torch.equal(out[2:], zeros)
+        assert out[:2].abs().max() > 0
+        assert torch.equal(form(f[:1], pos[:1]), zeros)
+        assert form(f[:0], pos[:0]).shape == (0, layer.irreps_output.dim)
 
 
 def test_duplicate_points_are_finite_and_differentiable():

@@ -1,0 +1,366 @@
+r"""The attention layer against the e3nn guide's formulation: time, peak memory, edges per second.
+
+Both compute the same layer on the same graph with the same number of weights:
+
+* ``e3attn``: :class:`e3attn.attention.EquivariantAttention` (fused key/value tensor product
+  with the radial network's last layer folded in, chunked, hand-written backward);
+* ``baseline``: the e3nn guide's formulation (seed document 003), written below from e3nn's
+  ``o3.Linear``, ``o3.FullyConnectedTensorProduct`` (``shared_weights=False``, keys and values
+  separately), ``nn.FullyConnectedNet([basis, 16, weight_numel])`` per tensor product, the
+  dot product ``o3.FullyConnectedTensorProduct(query, key, "0e")`` (one per head), the smooth
+  cutoff, and a scatter softmax (``index_add``). Before timing, ``e3attn``'s weights are copied
+  into it and the outputs compared (``max_rel_diff``: up to the 0.16 % difference between
+  e3nn's Monte-Carlo normalisation constant of silu and e3attn's exact one).
+
+Configurations: ``guide`` (irreps ``10x0e+5x1o`` in, ``11x0e+4x1o`` query, ``12x0e+3x1o`` key,
+``14x0e+6x1o`` out, lmax 3, 1 head) and ``large`` (``64x0e+32x1o+16x2e`` for all four, lmax 2,
+4 heads); both with 10 basis functions and 16 hidden neurons. Points are uniform in a cube whose
+side is adjusted (:func:`cloud`) so that the radius graph of cutoff 1.0 has ``--degree`` edges
+per node on average (faces included); the graph is built once, outside the timed calls.
+
+Measured per (configuration, nodes, method):
+
+* ``fwd_ms``: forward under ``torch.no_grad()``; ``fwdbwd_ms``: forward and backward of
+  ``out.pow(2).sum()`` with respect to the parameters, the features and the positions (as in
+  training on energies and forces' inputs). Best of ``--repeats`` calls after a warm-up call, the
+  two methods taking turns; the median is in the JSON as well.
+* ``fwd_mib`` / ``fwdbwd_mib``: peak memory of one call above the memory in use before it
+  (``dense_vs_sparse.peak_mib``: on Linux CPU the peak resident set size, after returning free
+  heap memory to the system and resetting the kernel's high-water mark; on CUDA
+  ``max_memory_allocated``), measured after the timings. It counts every page touched, so it
+  is an upper estimate.
+* ``edges_per_s`` (forward+backward) and, for ``e3attn``, the ratios ``speedup`` (baseline time /
+  e3attn time, forward+backward) and ``memory_ratio`` (e3attn peak / baseline peak).
+
+Cases whose estimated baseline memory exceeds ``--max-gb`` are skipped for both methods (recorded
+with the reason), as are those whose estimated time exceeds ``--max-seconds`` per call.
+
+Usage::
+
+    python benchmarks/layer.py                          # both configurations at 1e3 and 1e4 nodes
+    python benchmarks/layer.py --device cpu --threads 1
+    python benchmarks/layer.py --quick                  # tiny sizes, a smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from e3nn import nn, o3
+from e3nn.math import soft_one_hot_linspace, soft_unit_step
+
+ROOT = Path(__file__).resolve().parents[1]
+for path in (ROOT, ROOT / "benchmarks"):  # run from a checkout without installing
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from dense_vs_sparse import box_side, cpu_name, memory_method, peak_mib  # noqa: E402
+
+from e3attn.attention import EquivariantAttention  # noqa: E402
+from e3attn.graph import radius_graph  # noqa: E402
+
+RADIUS = 1.0
+CONFIGS = {
+    "guide": {"irreps": ("10x0e + 5x1o", "11x0e + 4x1o", "12x0e + 3x1o", "14x0e + 6x1o"), "lmax": 3, "num_heads": 1},
+    "large": {"irreps": ("64x0e + 32x1o + 16x2e",) * 4, "lmax": 2, "num_heads": 4},
+}
+# default numbers of nodes and timed calls (the baseline needs ~0.8 ms per edge on the large configuration)
+DEFAULTS = {"guide": {"sizes": [1_000, 10_000], "repeats": 7}, "large": {"sizes": [100, 1_000], "repeats": 3}}
+METHODS = ("baseline", "e3attn")
+
+
+class GuideAttention(torch.nn.Module):
+    r"""The e3nn guide's attention, multi-head, from e3nn modules (the benchmark's baseline).
+
+    .. math::
+
+        \alpha_{e,h} = \frac{c_e \exp(\mathrm{dot}_h(q_i, k_e))}{\sum_{e' \to i} c_{e'} \exp(\mathrm{dot}_h(q_i, k_{e'}))},
+        \qquad f'_i = \sum_{e \to i} \sqrt{\alpha_{e, h(\cdot)}}\, v_e
+
+    with ``k = tp_k(f[src], Y, fc_k(emb))``, ``v = tp_v(f[src], Y, fc_v(emb))``, ``q = h_q(f)``.
+    """
+
+    def __init__(self, irreps_input, irreps_query, irreps_key, irreps_output, lmax: int, num_heads: int,
+                 number_of_basis: int = 10, radial_neurons: int = 16) -> None:
+        super().__init__()
+        self.number_of_basis, self.num_heads = number_of_basis, num_heads
+        self.irreps_sh = o3.Irreps.spherical_harmonics(lmax)
+        irreps_query, irreps_key, irreps_output = (o3.Irreps(i) for i in (irreps_query, irreps_key, irreps_output))
+        self.h_q = o3.Linear(irreps_input, irreps_query)
+        self.tp_k = o3.FullyConnectedTensorProduct(irreps_input, self.irreps_sh, irreps_key, shared_weights=False)
+        self.fc_k = nn.FullyConnectedNet([number_of_basis, radial_neurons, self.tp_k.weight_numel], torch.nn.functional.silu)
+        self.tp_v = o3.FullyConnectedTensorProduct(irreps_input, self.irreps_sh, irreps_output, shared_weights=False)
+        self.fc_v = nn.FullyConnectedNet([number_of_basis, radial_neurons, self.tp_v.weight_numel], torch.nn.functional.silu)
+        per_head = [o3.Irreps([(mul // num_heads, ir) for mul, ir in irreps]) for irreps in (irreps_query, irreps_key)]
+        self.dots = torch.nn.ModuleList([o3.FullyConnectedTensorProduct(*per_head, "0e") for _ in range(num_heads)])
+        for name, irreps in (("query", irreps_query), ("key", irreps_key), ("output", irreps_output)):
+            self.register_buffer(f"{name}_channels", _head_channels(irreps, num_heads), persistent=False)
+
+    def forward(self, f: torch.Tensor, pos: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
+        src, dst = edge_index
+        edge_vec = pos[src] - pos[dst]
+        r = edge_vec.norm(dim=1)
+        emb = soft_one_hot_linspace(r, 0.0, RADIUS, self.number_of_basis, "smooth_finite", True)
+        emb = emb.mul(self.number_of_basis**0.5)
+        sh = o3.spherical_harmonics(self.irreps_sh, edge_vec, True, normalization="component")
+        cutoff = soft_unit_step(10 * (1 - r / RADIUS))
+        q = self.h_q(f)
+        k = self.tp_k(f[src], sh, self.fc_k(emb))
+        v = self.tp_v(f[src], sh, self.fc_v(emb))
+        logits = [dot(q[:, qc][dst], k[:, kc]) for dot, qc, kc in zip(self.dots, self.query_channels, self.key_channels)]
+        exp = cutoff[:, None] * torch.cat(logits, dim=1).exp()  # [E, H]
+        z = exp.new_zeros(f.shape[0], self.num_heads).index_add(0, dst, exp)
+        z[z == 0] = 1
+        alpha = exp / z[dst]
+        weight = torch.zeros_like(v)
+        for h, channels in enumerate(self.output_channels):
+            weight[:, channels] = alpha[:, h : h + 1].relu().sqrt()
+        return v.new_zeros(f.shape[0], v.shape[1]).index_add(0, dst, weight * v)
+
+    def copy_from(self, layer: EquivariantAttention) -> None:
+        """Take ``layer``'s weights (same function up to e3nn's normalisation constant of silu)."""
+        hidden = layer.radial.hidden
+        with torch.no_grad():
+            self.h_q.weight.copy_(layer.query.weight)
+            for t, (tp, fc) in enumerate(((self.tp_k, self.fc_k), (self.tp_v, self.fc_v))):
+                fc.layer0.weight.copy_(layer.radial.weight1[:, t * hidden : (t + 1) * hidden])
+                index = layer.tp.e3nn_weight_index(t)
+                fc.layer1.weight[:, index] = layer.radial.weight2[t]
+            for h, dot in enumerate(self.dots):
+                dot.weight.copy_(layer.dot.weight[h])
+
+
+def _head_channels(irreps: o3.Irreps, num_heads: int) -> torch.Tensor:
+    """``[H, dim / H]``: the channels of every head (each irrep's multiplicity split in ``H`` blocks)."""
+    heads, start = [[] for _ in range(num_heads)], 0
+    for mul, ir in irreps:
+        block = torch.arange(start, start + mul * ir.dim).reshape(num_heads, -1)
+        for h in range(num_heads):
+            heads[h].append(block[h])
+        start += mul * ir.dim
+    return torch.stack([torch.cat(h) for h in heads])
+
+
+# ----------------------------------------------------------------------------- measurement
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _calls(model: torch.nn.Module, f: torch.Tensor, pos: torch.Tensor, edge_index: torch.Tensor):
+    """Forward (no grad) and forward+backward calls of ``model``."""
+    leaves = [f, pos, *model.parameters()]
+
+    def fwd() -> None:
+        with torch.no_grad():
+            model(f, pos, edge_index)
+
+    def fwdbwd() -> None:
+        model(f, pos, edge_index).pow(2).sum().backward()
+        for leaf in leaves:
+            leaf.grad = None
+
+    return {"fwd": fwd, "fwdbwd": fwdbwd}
+
+
+def cloud(n: int, degree: float, gen: torch.Generator, dtype: torch.dtype = torch.float32):
+    r"""``n`` uniform points in a cube and their radius graph (cutoff 1), ``degree`` edges per node on average.
+
+    The side starts from :func:`dense_vs_sparse.box_side` (the bulk density) and is rescaled by
+    :math:`(\bar d / d)^{1/3}` until the measured mean degree :math:`\bar d` is within 1 % (at most
+    8 times: small clouds cannot reach every degree).
+    """
+    unit = torch.rand(n, 3, generator=gen, dtype=dtype)
+    side = box_side(n, degree, RADIUS)
+    for _ in range(8):
+        edge_index = radius_graph(unit * side, RADIUS)
+        measured = edge_index.shape[1] / max(n, 1)
+        if measured == 0 or abs(measured / degree - 1) < 0.01:
+            break
+        side *= (measured / degree) ** (1 / 3)
+    return unit * side, edge_index
+
+
+def build(config: str, n: int, degree: float, device: torch.device, seed: int):
+    """The two models with the same weights, the inputs and the graph of one case."""
+    spec = CONFIGS[config]
+    gen = torch.Generator().manual_seed(seed + n)
+    torch.manual_seed(seed)
+    layer = EquivariantAttention(*spec["irreps"], RADIUS, lmax=spec["lmax"], num_heads=spec["num_heads"])
+    baseline = GuideAttention(*spec["irreps"], lmax=spec["lmax"], num_heads=spec["num_heads"])
+    baseline.copy_from(layer)
+    pos, edge_index = cloud(n, degree, gen)
+    f = torch.randn(n, layer.irreps_input.dim, generator=gen)
+    layer, baseline = layer.to(device), baseline.to(device)
+    pos, f, edge_index = pos.to(device).requires_grad_(), f.to(device).requires_grad_(), edge_index.to(device)
+    return {"baseline": baseline, "e3attn": layer}, f, pos, edge_index
+
+
+def weight_counts(models: Dict[str, torch.nn.Module]) -> Dict[str, int]:
+    """Number of trainable weights of every model."""
+    return {name: sum(p.numel() for p in model.parameters()) for name, model in models.items()}
+
+
+def max_rel_diff(models: Dict[str, torch.nn.Module], f, pos, edge_index) -> float:
+    """Largest difference of the two outputs relative to the largest output."""
+    with torch.no_grad():
+        a, b = (models[m](f, pos, edge_index) for m in METHODS)
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) if b.numel() else 0.0
+
+
+def run_case(config: str, n: int, args: argparse.Namespace, device: torch.device,
+             previous: Optional[dict]) -> List[dict]:
+    """Rows of both methods for one (configuration, number of nodes)."""
+    models, f, pos, edge_index = build(config, n, args.degree, device, args.seed)
+    edges = edge_index.shape[1]
+    base = {"config": config, "nodes": n, "edges": edges, "mean_degree": edges / n, "weights": weight_counts(models)}
+    reason = _too_big(previous, edges, args)
+    if reason:
+        return [dict(base, method=m, skipped=reason) for m in METHODS]
+    base["max_rel_diff"] = max_rel_diff(models, f, pos, edge_index)
+    calls = {m: _calls(models[m], f, pos, edge_index) for m in METHODS}
+    method = memory_method(device, args.memory)
+    rows = {m: dict(base, method=m, skipped=None) for m in METHODS}
+    for kind in ("fwd", "fwdbwd"):
+        samples: Dict[str, List[float]] = {m: [] for m in METHODS}
+        for m in METHODS:
+            calls[m][kind]()  # warm-up
+        for _ in range(args.repeats or DEFAULTS[config]["repeats"]):
+            for m in METHODS:
+                _sync(device)
+                start = time.perf_counter()
+                calls[m][kind]()
+                _sync(device)
+                samples[m].append(time.perf_counter() - start)
+        for m in METHODS:
+            rows[m][f"{kind}_ms"] = 1e3 * min(samples[m])
+            rows[m][f"{kind}_median_ms"] = 1e3 * statistics.median(samples[m])
+    for m in METHODS:  # after the timings: measuring returns free memory to the system
+        for kind, call in calls[m].items():
+            rows[m][f"{kind}_mib"] = peak_mib(call, method, device)
+        rows[m]["edges_per_s"] = edges / (rows[m]["fwdbwd_ms"] / 1e3)
+    e3, bl = rows["e3attn"], rows["baseline"]
+    e3["speedup"] = bl["fwdbwd_ms"] / e3["fwdbwd_ms"]
+    e3["speedup_fwd"] = bl["fwd_ms"] / e3["fwd_ms"]
+    if e3["fwdbwd_mib"] is not None and bl["fwdbwd_mib"]:
+        e3["memory_ratio"] = e3["fwdbwd_mib"] / bl["fwdbwd_mib"]
+    return [bl, e3]
+
+
+def _too_big(previous: Optional[dict], edges: int, args: argparse.Namespace) -> Optional[str]:
+    """Reason to skip, extrapolating the baseline of the previous size linearly in the number of edges."""
+    if previous is None or previous.get("skipped"):
+        return None
+    scale = edges / max(previous["edges"], 1)
+    gigabytes = (previous.get("fwdbwd_mib") or 0.0) * scale / 1024
+    seconds = previous["fwdbwd_ms"] / 1e3 * scale
+    if gigabytes > args.max_gb:
+        return f"baseline estimated at {gigabytes:.1f} GB > --max-gb {args.max_gb:g}"
+    if seconds > args.max_seconds:
+        return f"baseline estimated at {seconds:.0f} s per call > --max-seconds {args.max_seconds:g}"
+    return None
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+HEADER = (f"{'config':>6} {'nodes':>6} {'edges':>8} {'method':>8} {'fwd ms':>9} {'fwd+bwd ms':>11} "
+          f"{'speed-up':>8} {'fwd MiB':>8} {'f+b MiB':>8} {'mem ratio':>9} {'Medges/s':>9}")
+
+
+def format_row(row: dict) -> str:
+    """One line of the printed table."""
+    head = f"{row['config']:>6} {row['nodes']:>6} {row['edges']:>8} {row['method']:>8}"
+    if row["skipped"]:
+        return f"{head}  skipped ({row['skipped']})"
+
+    def num(key: str, fmt: str) -> str:
+        value = row.get(key)
+        return format(value, fmt) if value is not None else "-".rjust(len(format(0.0, fmt)))
+
+    return (f"{head} {num('fwd_ms', '9.1f')} {num('fwdbwd_ms', '11.1f')} {num('speedup', '8.2f')} "
+            f"{num('fwd_mib', '8.1f')} {num('fwdbwd_mib', '8.1f')} {num('memory_ratio', '9.2f')} "
+            f"{row['edges_per_s'] / 1e6:9.3f}")
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Command-line options (see ``--help``)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    p.add_argument("--sizes", type=int, nargs="+", default=None, help="numbers of nodes (default: see DEFAULTS)")
+    p.add_argument("--degree", type=float, default=14.0, help="mean number of edges per node")
+    p.add_argument("--repeats", type=int, default=None, help="timed calls per method, best reported (default: DEFAULTS)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: one per core)")
+    p.add_argument("--max-gb", type=float, default=8.0, help="skip cases whose baseline would need more memory")
+    p.add_argument("--max-seconds", type=float, default=60.0, help="skip cases whose baseline would take longer")
+    p.add_argument("--memory", choices=("auto", "cuda", "rss", "none"), default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="tiny sizes and 2 repeats: a smoke test")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "layer.json")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.sizes, args.repeats = [16, 32], 1
+    if min(args.sizes or [1]) < 1 or (args.repeats is not None and args.repeats < 1):
+        p.error("--sizes and --repeats must be positive")
+    return args
+
+
+def setup(args: argparse.Namespace) -> Tuple[torch.device, dict]:
+    """Set the threads; the device and the description of the machine and the run for the JSON."""
+    device = torch.device(args.device)
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    meta = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
+        "device_type": device.type, "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "e3nn": __import__("e3nn").__version__, "python": platform.python_version(),
+        "repeats": {name: args.repeats or DEFAULTS[name]["repeats"] for name in args.configs if name in DEFAULTS},
+        "degree": args.degree, "timing": "best of repeats (methods alternating), median in *_median_ms",
+        "configs": {name: CONFIGS[name] for name in args.configs if name in CONFIGS},
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "load_average_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+    print(f"device {meta['device']} ({device.type}, {meta['threads']} threads)")
+    return device, meta
+
+
+def write(report: dict, path: Path) -> None:
+    """Write the JSON report."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    """Run every case, print the table, write the JSON."""
+    args = parse_args(argv)
+    device, meta = setup(args)
+    meta.update(dtype="float32", memory_method=memory_method(device, args.memory))
+    print(f"peak memory: {meta['memory_method']}")
+    print(HEADER)
+    rows: List[dict] = []
+    for config in args.configs:
+        previous = None
+        for n in sorted(args.sizes or DEFAULTS[config]["sizes"]):
+            case = run_case(config, n, args, device, previous)
+            for row in case:
+                print(format_row(row), flush=True)
+            rows.extend(case)
+            previous = case[0]
+    report = {"meta": meta, "results": rows}
+    write(report, args.out)
+    return report
+
+
+if __name__ == "__main__":
+    main()

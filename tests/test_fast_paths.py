@@ -1,0 +1,194 @@
+"""Fast paths equal the straightforward formulation (e3nn modules, loops), values and gradients, in float64."""
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from e3nn import o3
+
+from e3attn.attention import EquivariantAttention
+from e3attn.heads import head_index, scale_heads
+from e3attn.spherical_harmonics import SphericalHarmonics
+from e3attn import tensor_product
+from e3attn.tensor_product import SphericalTensorProduct
+from reference import brute_force_edges, e3nn_guide_attention
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TP_CASES = [
+    ("10x0e + 5x1o", 3, ["12x0e + 3x1o", "14x0e + 6x1o"]),  # the guide's keys and values
+    ("2x0e + 1x0o + 3x1e + 2x2o + 1x0e", 2, ["3x1o + 2x0e + 1x2e + 2x0e", "1x3o + 2x0o"]),  # repeated degrees
+    ("4x1o", 0, ["2x1o + 3x0e"]),  # 3x0e is reached by no path
+    ("3x0e + 2x1o + 1x2e", 2, ["4x0e + 2x1o + 2x2e"]),
+]
+
+
+def _e3nn_products(tp, x, sh, weights):
+    """The tensor products with e3nn's FullyConnectedTensorProduct (weights mapped to e3nn's order)."""
+    outs = []
+    for t, (irreps_out, w) in enumerate(zip(tp.irreps_outs, weights)):
+        ref = o3.FullyConnectedTensorProduct(tp.irreps_in, tp.irreps_sh, irreps_out, shared_weights=False)
+        e3nn_w = torch.zeros(w.shape[0], ref.weight_numel, dtype=w.dtype).index_copy(1, tp.e3nn_weight_index(t), w)
+        outs.append(ref(x, sh, e3nn_w))
+    return outs
+
+
+def _inputs(tp, num, nodes=None, hidden=5, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(nodes or num, tp.irreps_in.dim, generator=gen, dtype=torch.float64, requires_grad=True)
+    sh = torch.randn(num, tp.irreps_sh.dim, generator=gen, dtype=torch.float64, requires_grad=True)
+    hs = [torch.randn(num, hidden, generator=gen, dtype=torch.float64, requires_grad=True) for _ in tp.irreps_outs]
+    ls = [torch.randn(hidden, n, generator=gen, dtype=torch.float64, requires_grad=True) for n in tp.weight_numel]
+    return x, sh, hs, ls
+
+
+@pytest.mark.parametrize("gathered", [False, True])
+@pytest.mark.parametrize("chunk_size", [1, 5, None])
+@pytest.mark.parametrize("irreps_in, lmax, outs", TP_CASES)
+def test_factored_product_equals_e3nn(irreps_in, lmax, outs, chunk_size, gathered, float64_default):
+    tp = SphericalTensorProduct(irreps_in, o3.Irreps.spherical_harmonics(lmax), outs)
+    num = 13
+    x, sh, hs, ls = _inputs(tp, num, nodes=6 if gathered else None)
+    index = torch.randint(0, 6, (num,), generator=torch.Generator().manual_seed(1)) if gathered else None
+    got = tp.forward_factored(x, sh, hs, ls, index=index, chunk_size=chunk_size)
+    ref = _e3nn_products(tp, x[index] if gathered else x, sh, [h @ w for h, w in zip(hs, ls)])
+    cotangents = [torch.randn_like(r) for r in ref]
+    inputs = [x, sh, *hs, *ls]
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    for a, b in zip(torch.autograd.grad(got, inputs, cotangents), torch.autograd.grad(ref, inputs, cotangents)):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
+def test_factored_product_large_products_one_component_at_a_time(monkeypatch, float64_default):
+    """Products above ``_PRODUCT_FLOATS`` are summed one component m at a time: the same result."""
+    monkeypatch.setattr(tensor_product, "_PRODUCT_FLOATS", 0)
+    test_factored_product_equals_e3nn(*TP_CASES[1], chunk_size=4, gathered=True, float64_default=None)
+
+
+def test_factored_product_empty_and_single_sample(float64_default):
+    tp = SphericalTensorProduct("3x0e + 2x1o", o3.Irreps.spherical_harmonics(2), ["2x0e + 1x1o", "1x0e"])
+    for num in (0, 1):
+        x, sh, hs, ls = _inputs(tp, num, nodes=4)
+        index = torch.zeros(num, dtype=torch.long)
+        got = tp.forward_factored(x, sh, hs, ls, index=index)
+        assert [o.shape for o in got] == [(num, 5), (num, 1)]
+        ref = _e3nn_products(tp, x[index], sh, [h @ w for h, w in zip(hs, ls)])
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+        grads = torch.autograd.grad([o.sum() for o in got], [x, sh, *hs, *ls])
+        assert all(torch.isfinite(g).all() for g in grads)
+        if num == 0:
+            assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+
+
+def test_factored_product_is_twice_differentiable(float64_default):
+    tp = SphericalTensorProduct("1x0e + 1x1o", o3.Irreps.spherical_harmonics(1), ["1x0e + 1x1o"])
+    x, sh, hs, ls = _inputs(tp, 4, hidden=2)
+
+    def fn(x, sh, h, w):
+        return tp.forward_factored(x, sh, [h], [w], chunk_size=3)[0]
+
+    assert torch.autograd.gradcheck(fn, (x, sh, hs[0], ls[0]))
+    assert torch.autograd.gradgradcheck(fn, (x, sh, hs[0], ls[0]))
+
+
+def test_factored_product_bad_arguments():
+    tp = SphericalTensorProduct("1x0e", o3.Irreps.spherical_harmonics(1), ["1x0e", "1x1o"])
+    x, sh, hs, ls = torch.randn(3, 1), torch.randn(3, 4), [torch.randn(3, 2)] * 2, [torch.randn(2, 1), torch.randn(2, 1)]
+    with pytest.raises(ValueError, match="one tensor per output"):
+        tp.forward_factored(x, sh, hs[:1], ls)
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+        tp.forward_factored(x, sh, hs, ls, chunk_size=0)
+
+
+@pytest.mark.parametrize("lmax", [0, 1, 2, 3, 4, 5, 6])
+def test_spherical_harmonics_equal_e3nn(lmax, float32_default):
+    sh = SphericalHarmonics(lmax).double()  # built under float32: the constants must stay exact
+    ref = o3.SphericalHarmonics(o3.Irreps.spherical_harmonics(lmax), normalize=True, normalization="component")
+    gen = torch.Generator().manual_seed(lmax)
+    length = 5 * torch.rand(2, 40, 1, generator=gen, dtype=torch.float64)
+    vec = torch.randn(2, 40, 3, generator=gen, dtype=torch.float64) * length
+    vec[0, 0] = 0.0  # the zero vector, as e3nn: normalised to 0
+    vec.requires_grad_()
+    got, expected = sh(vec), ref(vec)
+    assert got.shape == (2, 40, (lmax + 1) ** 2)
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+    if lmax == 0:  # constant: no gradient
+        return
+    cotangent = torch.randn_like(got)
+    g_got, g_ref = torch.autograd.grad(got, vec, cotangent)[0], torch.autograd.grad(expected, vec, cotangent)[0]
+    torch.testing.assert_close(g_got, g_ref, atol=1e-10, rtol=1e-12)
+
+
+def test_spherical_harmonics_constants_are_reproducible():
+    """Rebuilding gives bit-identical constants (checkpoints reload to identical outputs)."""
+    for lmax in (2, 3, 5):
+        assert torch.equal(SphericalHarmonics(lmax).coefficients, SphericalHarmonics(lmax).coefficients)
+
+
+def test_spherical_harmonics_bad_lmax():
+    with pytest.raises(ValueError, match="lmax must be a non-negative int"):
+        SphericalHarmonics(-1)
+
+
+def test_scale_heads_equals_expanded_weights():
+    irreps = o3.Irreps("4x0e + 2x1o + 6x2e")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, irreps.dim, generator=gen, dtype=torch.float64)
+    weight = torch.randn(7, 2, generator=gen, dtype=torch.float64)
+    expected = torch.empty_like(x)
+    heads = head_index(irreps, 2)
+    for c in range(irreps.dim):  # loop over channels: each is scaled by the weight of its head
+        expected[:, c] = x[:, c] * weight[:, heads[c]]
+    torch.testing.assert_close(scale_heads(x, weight, [mul * ir.dim for mul, ir in irreps]), expected, atol=0, rtol=0)
+    torch.testing.assert_close(scale_heads(x, weight[:, :1], [irreps.dim]), x * weight[:, :1], atol=0, rtol=0)
+
+
+def test_cached_constant_casts_follow_the_module():
+    tp = SphericalTensorProduct("2x1o", o3.Irreps.spherical_harmonics(1), ["1x0e"])
+    exact = tp.cg.clone()
+    assert tp.constant("cg", torch.float32).dtype == torch.float32
+    tp.float().double()
+    assert tp.cg.dtype == torch.float64 and torch.equal(tp.cg, exact)
+    assert torch.equal(tp.constant("cg", torch.float64), exact)
+    torch.testing.assert_close(tp.constant("cg", torch.float32), exact.float(), atol=0, rtol=0)
+
+
+def test_layer_forces_training_equals_e3nn_reference(float64_default):
+    """Twice differentiable: the gradient of a force loss equals that of the e3nn-built reference."""
+    torch.manual_seed(0)
+    layer = EquivariantAttention("2x0e + 2x1o", "2x0e + 2x1o", "2x0e + 2x1o", "2x0e + 2x1o", 1.3, num_heads=2, lmax=2)
+    gen = torch.Generator().manual_seed(1)
+    pos = torch.randn(8, 3, generator=gen).requires_grad_()
+    f = torch.randn(8, 8, generator=gen).requires_grad_()
+    edge_index = brute_force_edges(pos.detach(), 1.3)
+
+    def force_loss_gradients(energy_fn):
+        energy = energy_fn().pow(2).sum()
+        (forces,) = torch.autograd.grad(energy, pos, create_graph=True)
+        # the reference copies the query and dot weights into e3nn modules: compare the others
+        return torch.autograd.grad(forces.pow(2).sum(), [f, pos, *layer.radial.parameters()])
+
+    got = force_loss_gradients(lambda: layer(f, pos, edge_index))
+    ref = force_loss_gradients(lambda: e3nn_guide_attention(layer, f, pos, edge_index)[0])
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-10)
+
+
+def test_layer_benchmark_smoke(tmp_path):
+    spec = importlib.util.spec_from_file_location("benchmark_layer", ROOT / "benchmarks" / "layer.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    report = bench.main(["--quick", "--threads", "1", "--memory", "none", "--out", str(tmp_path / "layer.json")])
+    rows = report["results"]
+    assert {(r["config"], r["method"]) for r in rows} == {(c, m) for c in bench.CONFIGS for m in bench.METHODS}
+    for row in rows:
+        assert row["skipped"] is None
+        assert row["weights"]["baseline"] == row["weights"]["e3attn"]  # same number of weights
+        assert row["max_rel_diff"] < 1e-2  # the same function (up to e3nn's silu constant, 0.16 %)
+        assert row["fwdbwd_ms"] > 0 and row["edges_per_s"] > 0
+        if row["method"] == "e3attn":
+            assert row["speedup"] > 0
+    assert math.isfinite(report["meta"]["threads"])
