@@ -36,6 +36,7 @@ for path in (ROOT, ROOT / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
+from dense_vs_sparse import sync  # noqa: E402
 from layer import CONFIGS as LAYER_CONFIGS, RADIUS, cloud, setup, write  # noqa: E402
 
 from e3attn.attention import EquivariantAttention  # noqa: E402
@@ -45,16 +46,11 @@ CONFIGS = dict(LAYER_CONFIGS, tiny={"irreps": ("2x0e + 2x1o",) * 4, "lmax": 1, "
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(call, device: torch.device) -> float:
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     call()
-    _sync(device)
+    sync(device)
     return time.perf_counter() - start
 
 

@@ -159,7 +159,8 @@ PROBLEMS = {"plain": plain_cases, "equivariant": equivariant_cases}
 # ----------------------------------------------------------------------------- measurement
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device (CUDA) to finish its queued work, so that a timer measures it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -189,10 +190,10 @@ def _seconds(case: Case, backward: bool, device: torch.device, min_time: float, 
     now = CLOCKS[clock]
     times: List[float] = []
     while not times or (len(times) < 3 and sum(times) < 3.0) or (sum(times) < min_time and len(times) < 50):
-        _sync(device)
+        sync(device)
         start = now()
         _step(case, backward)
-        _sync(device)
+        sync(device)
         times.append(now() - start)
     return min(times)
 

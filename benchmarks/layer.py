@@ -62,7 +62,7 @@ for path in (ROOT, ROOT / "benchmarks"):  # run from a checkout without installi
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from dense_vs_sparse import box_side, cpu_name, memory_method, peak_mib  # noqa: E402
+from dense_vs_sparse import box_side, cpu_name, memory_method, peak_mib, sync  # noqa: E402
 
 from e3attn.attention import EquivariantAttention  # noqa: E402
 from e3attn.graph import radius_graph  # noqa: E402
@@ -152,11 +152,6 @@ def _head_channels(irreps: o3.Irreps, num_heads: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------- measurement
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _calls(model: torch.nn.Module, f: torch.Tensor, pos: torch.Tensor, edge_index: torch.Tensor):
     """Forward (no grad) and forward+backward calls of ``model``."""
     leaves = [f, pos, *model.parameters()]
@@ -237,10 +232,10 @@ def run_case(config: str, n: int, args: argparse.Namespace, device: torch.device
             calls[m][kind]()  # warm-up
         for _ in range(args.repeats or DEFAULTS[config]["repeats"]):
             for m in METHODS:
-                _sync(device)
+                sync(device)
                 start = time.perf_counter()
                 calls[m][kind]()
-                _sync(device)
+                sync(device)
                 samples[m].append(time.perf_counter() - start)
         for m in METHODS:
             rows[m][f"{kind}_ms"] = 1e3 * min(samples[m])

@@ -50,16 +50,11 @@ for path in (ROOT, ROOT / "benchmarks"):  # run from a checkout without installi
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from dense_vs_sparse import box_side, memory_method, peak_mib  # noqa: E402
+from dense_vs_sparse import box_side, memory_method, peak_mib, sync  # noqa: E402
 
 from e3attn.graph import _radius_graph, radius_graph  # noqa: E402
 
 RADIUS = 1.0
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def methods(pos: torch.Tensor, dense_max: int) -> Dict[str, Callable[[], int]]:
@@ -103,10 +98,10 @@ def run_size(n: int, args: argparse.Namespace, device: torch.device) -> List[dic
     best = {name: float("inf") for name in calls}
     for _ in range(args.repeats):
         for name, call in calls.items():
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
             call()
-            _sync(device)
+            sync(device)
             best[name] = min(best[name], time.perf_counter() - start)
     method = memory_method(device)
     rows = []
