@@ -14,6 +14,8 @@ __all__ = ["SphericalTensorProduct"]
 
 # Floats of per-sample temporaries one chunk of ``SphericalTensorProduct.forward_factored`` may hold, per thread.
 _CHUNK_FLOATS = 1 << 20
+# The same on a GPU, where chunks only bound the memory.
+_CHUNK_FLOATS_GPU = 1 << 28
 _MIN_CHUNK = 256
 # Elementwise products up to this many floats are formed at once, larger ones one component m at a time.
 _PRODUCT_FLOATS = 1 << 20
@@ -221,7 +223,7 @@ class SphericalTensorProduct(Float64ConstantsModule):
         if torch.compiler.is_compiling():
             return self._forward_plain(x, sh, hidden, linear, index)
         if chunk_size is None:
-            chunk_size = self.default_chunk_size()
+            chunk_size = self.default_chunk_size(sh.device)
         if not (isinstance(chunk_size, int) and chunk_size > 0):
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
         return list(_FactoredProduct.apply(self, chunk_size, index, x, sh, *hidden, *linear))
@@ -231,15 +233,19 @@ class SphericalTensorProduct(Float64ConstantsModule):
         x = x if index is None else x.index_select(0, index)
         return self.forward(x, sh, [h @ w for h, w in zip(hidden, linear)])
 
-    def default_chunk_size(self) -> int:
-        """Samples per chunk of :meth:`forward_factored`.
+    def default_chunk_size(self, device: Optional[torch.device] = None) -> int:
+        """Samples per chunk of :meth:`forward_factored` on ``device`` (default: the CPU).
 
-        The largest temporaries of a chunk (its weights and one elementwise
-        product per weight block) take about 4 MB per CPU thread in float32 (up
-        to 4 threads); a chunk has at least 256 samples, so that every operation
-        runs on long contiguous rows.
+        On the CPU, the largest temporaries of a chunk (its weights and one
+        elementwise product per weight block) take about 4 MB per thread in
+        float32 (up to 4 threads), so that they stay in cache; a chunk has at
+        least 256 samples, so that every operation runs on long contiguous rows.
+        On a GPU, where every operation is a kernel launch, chunks only bound the
+        memory: about 1 GB of temporaries in float32.
         """
         per_sample = 1 + sum(self.weight_numel) + max([n for sizes in self._block_numel for n in sizes], default=0)
+        if device is not None and torch.device(device).type != "cpu":
+            return max(_MIN_CHUNK, _CHUNK_FLOATS_GPU // per_sample)
         return max(_MIN_CHUNK, _CHUNK_FLOATS * min(torch.get_num_threads(), 4) // per_sample)
 
     def e3nn_weight_index(self, t: int) -> torch.Tensor:
@@ -439,12 +445,20 @@ class SphericalTensorProduct(Float64ConstantsModule):
 
 def _product_sum(a: torch.Tensor, b: torch.Tensor, dim: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``(a * b).sum(dim)`` of operands ``[..., 2l+1, C]``; into ``out`` one component at a time if the product is large."""
-    if out is None or math.prod(torch.broadcast_shapes(a.shape, b.shape)) <= _PRODUCT_FLOATS:
+    if out is None or _broadcast_numel(a.shape, b.shape) <= _PRODUCT_FLOATS:
         return torch.sum(a * b, dim=dim, out=out)
     for m in range(out.shape[-2]):
         a_m, b_m = (x.narrow(-2, m if x.shape[-2] > 1 else 0, 1) for x in (a, b))
         torch.sum(a_m * b_m, dim=dim, out=out.narrow(-2, m, 1))
     return out
+
+
+def _broadcast_numel(a: torch.Size, b: torch.Size) -> int:
+    """Number of elements of the broadcast of shapes ``a`` and ``b`` (``torch.broadcast_shapes`` is slow in a hot loop)."""
+    if len(a) < len(b):
+        a, b = b, a
+    b = (1,) * (len(a) - len(b)) + tuple(b)
+    return math.prod(max(x, y) for x, y in zip(a, b))
 
 
 def _outer(hT: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

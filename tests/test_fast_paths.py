@@ -83,6 +83,18 @@ def test_factored_product_empty_and_single_sample(float64_default):
             assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
 
 
+def test_default_chunk_size_per_device():
+    """CPU chunks stay cache-sized; GPU chunks are far larger (fewer kernel launches), both at least 256 samples."""
+    tp = SphericalTensorProduct("10x0e + 5x1o", o3.Irreps.spherical_harmonics(3), ["12x0e + 3x1o", "14x0e + 6x1o"])
+    cpu, gpu = tp.default_chunk_size(), tp.default_chunk_size(torch.device("cuda"))
+    assert cpu == tp.default_chunk_size("cpu")
+    per_sample = sum(tp.weight_numel)  # the weights alone: a chunk's temporaries are at least this per sample
+    assert 256 <= cpu and cpu * per_sample * 4 <= 4 * 4 * 2**20 * 1.01
+    assert gpu >= 100 * cpu
+    tiny = SphericalTensorProduct("1x0e", o3.Irreps.spherical_harmonics(0), ["1x0e"])
+    assert tiny.default_chunk_size() >= 256 and tiny.default_chunk_size("cuda") >= 256
+
+
 def test_factored_product_is_twice_differentiable(float64_default):
     tp = SphericalTensorProduct("1x0e + 1x1o", o3.Irreps.spherical_harmonics(1), ["1x0e + 1x1o"])
     x, sh, hs, ls = _inputs(tp, 4, hidden=2)
