@@ -25,14 +25,19 @@ class Float64ConstantsModule(torch.nn.Module):
         self._float64_constants.append(name)
 
     def constant(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """The constant ``name`` cast to ``dtype``, cached until the module is moved."""
+        """The constant ``name`` cast to ``dtype``, cached while the buffer stays the same tensor.
+
+        Not cached under ``torch.inference_mode`` (an inference tensor cannot be saved for a
+        later backward) nor while ``torch.compile`` traces.
+        """
         value = self._buffers[name]
-        if dtype == value.dtype or torch.compiler.is_compiling():
+        if dtype == value.dtype or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
             return value.to(dtype)
-        cached = self._casts.get((name, dtype))
-        if cached is None:
-            cached = self._casts[(name, dtype)] = value.to(dtype)
-        return cached
+        source, cast = self._casts.get((name, dtype), (None, None))
+        if source is not value:  # first use, or the buffer was replaced (moved, functional_call, a replica)
+            cast = value.to(dtype)
+            self._casts[(name, dtype)] = (value, cast)
+        return cast
 
     def _apply(self, fn, recurse=True):  # noqa: D401 - torch.nn.Module override
         kept = {name: self._buffers[name] for name in self._float64_constants}

@@ -108,6 +108,7 @@ class SphericalTensorProduct(Float64ConstantsModule):
         self.irreps_in = as_irreps(irreps_in, "irreps_in")
         self.irreps_sh = as_irreps(irreps_sh, "irreps_sh")
         self.irreps_outs = [as_irreps(ir, "irreps_outs") for ir in irreps_outs]
+        self._dims = (self.irreps_in.dim, self.irreps_sh.dim)  # plain ints: torch.compile cannot guard on Irreps
         if any(mul != 1 for mul, _ in self.irreps_sh):
             raise ValueError(f"irreps_sh must have multiplicity 1 everywhere, got {self.irreps_sh}")
         self._in = entries(self.irreps_in)
@@ -198,7 +199,8 @@ class SphericalTensorProduct(Float64ConstantsModule):
         backward recomputes every intermediate chunk by chunk, so that only the
         inputs are kept for it. Twice differentiable (a second derivative, e.g.
         training on forces, goes through plain autograd). Under
-        ``torch.compile`` it runs as plain tensor operations.
+        ``torch.compile``, autocast and ``torch.func`` transforms it runs as
+        plain tensor operations.
 
         Args:
             x: ``[E, irreps_in.dim]``, or ``[N, irreps_in.dim]`` with ``index``.
@@ -218,15 +220,39 @@ class SphericalTensorProduct(Float64ConstantsModule):
             >>> [z.shape for z in tp.forward_factored(x, sh, [h], [torch.randn(5, tp.weight_numel[0])])]
             [torch.Size([7, 6])]
         """
-        if len(hidden) != len(self.irreps_outs) or len(linear) != len(self.irreps_outs):
-            raise ValueError(f"hidden and linear need one tensor per output ({len(self.irreps_outs)})")
-        if torch.compiler.is_compiling():
+        self._check_factored(x, sh, hidden, linear, index)
+        if torch.compiler.is_compiling() or _plain_operations_only(sh.device.type):
             return self._forward_plain(x, sh, hidden, linear, index)
+        dtypes = {t.dtype for t in (x, sh, *hidden, *linear)}
+        if len(dtypes) > 1:
+            raise ValueError(f"x, sh, hidden and linear must share one dtype, got {sorted(map(str, dtypes))}")
         if chunk_size is None:
             chunk_size = self.default_chunk_size(sh.device)
         if not (isinstance(chunk_size, int) and chunk_size > 0):
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
         return list(_FactoredProduct.apply(self, chunk_size, index, x, sh, *hidden, *linear))
+
+    def _check_factored(self, x, sh, hidden, linear, index) -> None:
+        """Shapes of the arguments of :meth:`forward_factored`, with errors naming the argument."""
+        n = len(self.irreps_outs)
+        if len(hidden) != n or len(linear) != n:
+            raise ValueError(f"hidden and linear need one tensor per output ({n})")
+        dim_in, dim_sh = self._dims
+        if sh.dim() != 2 or sh.shape[1] != dim_sh:
+            raise ValueError(f"sh must have shape [E, {dim_sh}], got {list(sh.shape)}")
+        num = sh.shape[0]
+        if x.dim() != 2 or x.shape[1] != dim_in:
+            raise ValueError(f"x must have shape [*, {dim_in}], got {list(x.shape)}")
+        if index is None and x.shape[0] != num:
+            raise ValueError(f"x must have one row per row of sh ({num}) when no index is given, got {x.shape[0]}")
+        if index is not None and (index.dim() != 1 or index.shape[0] != num):
+            raise ValueError(f"index must have shape [{num}] (one row of x per row of sh), got {list(index.shape)}")
+        for t, (h, w) in enumerate(zip(hidden, linear)):
+            if h.dim() != 2 or h.shape[0] != num:
+                raise ValueError(f"hidden[{t}] must have shape [{num}, h], got {list(h.shape)}")
+            if w.dim() != 2 or w.shape[0] != h.shape[1] or w.shape[1] != self.weight_numel[t]:
+                raise ValueError(
+                    f"linear[{t}] must have shape [{h.shape[1]}, {self.weight_numel[t]}], got {list(w.shape)}")
 
     def _forward_plain(self, x, sh, hidden, linear, index) -> List[torch.Tensor]:
         """:meth:`forward_factored` as plain differentiable tensor operations."""
@@ -374,12 +400,13 @@ class SphericalTensorProduct(Float64ConstantsModule):
     ) -> None:
         """Gradients of step 3 with factored weights: writes ``gh`` ``[hidden, C]``, adds to ``gl`` and to ``gys``.
 
-        ``first[g]``: ``gys[g]`` is still to be overwritten rather than added to.
+        ``first[g]``: ``gys[g]`` is still to be overwritten rather than added to. ``gys`` of None: the
+        gradients of :math:`y` are not needed (neither ``x`` nor ``sh`` requires a gradient).
         """
         hT, lin, outer_weights = factors
         gh.zero_()
         for i, blk in enumerate(self._blocks[t]):
-            y, gy_out = ys[blk.g], gys[blk.g]
+            y, gy_out = ys[blk.g], (gys[blk.g] if gys is not None else None)
             if y is None:
                 continue
             gz = self._block_gradient(blk, gout)
@@ -392,6 +419,8 @@ class SphericalTensorProduct(Float64ConstantsModule):
                 gl[:, cols] += (gz @ outer.T).view(blk.width, hidden, blk.k).permute(1, 2, 0).reshape(hidden, -1)
                 g_outer = (weights.T @ gz).view(hidden, blk.k, blk.dim_l, -1)
                 gh += (g_outer * y).sum((1, 2))
+                if gy_out is None:
+                    continue
                 gy = (g_outer * hT[:, None, None]).sum(0)
             else:
                 num = hT.shape[1]
@@ -406,6 +435,8 @@ class SphericalTensorProduct(Float64ConstantsModule):
                 gwg = gwg.flatten(0, 1)
                 gh.addmm_(lin[:, cols], gwg)
                 gl[:, cols].addmm_(hT, gwg.T)
+                if gy_out is None:
+                    continue
                 gy = _product_sum(wg, gz, 1, gy_out if first[blk.g] else None)
             if first[blk.g]:
                 if gy is not gy_out:
@@ -451,6 +482,11 @@ def _product_sum(a: torch.Tensor, b: torch.Tensor, dim: int, out: Optional[torch
         a_m, b_m = (x.narrow(-2, m if x.shape[-2] > 1 else 0, 1) for x in (a, b))
         torch.sum(a_m * b_m, dim=dim, out=out.narrow(-2, m, 1))
     return out
+
+
+def _plain_operations_only(device_type: str) -> bool:
+    """Whether autocast or a ``torch.func`` transform is active: the hand-written backward supports neither."""
+    return torch.is_autocast_enabled(device_type) or torch._C._are_functorch_transforms_active()
 
 
 def _broadcast_numel(a: torch.Size, b: torch.Size) -> int:
@@ -512,31 +548,38 @@ class _FactoredProduct(torch.autograd.Function):
         hT = [h.T.contiguous() for h in hidden]
         gT = [g.T.contiguous() if g is not None else sh.new_zeros(out.dim, num)
               for g, out in zip(grads, tp.irreps_outs)]
-        gx = torch.zeros_like(xT) if index is not None else x.new_empty(x.shape[1], num)  # [D, N] or [D, E]
-        gsh = sh.new_empty(sh.shape[1], num)
+        inputs_needed = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]  # x or sh: steps 1-2 backward
+        gx = gsh = None
+        if inputs_needed:
+            gx = torch.zeros_like(xT) if index is not None else x.new_empty(x.shape[1], num)  # [D, N] or [D, E]
+            gsh = sh.new_empty(sh.shape[1], num)
         ghs = [h.new_empty(h.shape[1], num) for h in hidden]
         gls = [torch.zeros_like(w) for w in linear]
         outer_weights = [tp._outer_weights(t, w) for t, w in enumerate(linear)]
         for outer in _chunks(num, chunk * _OUTER):
             xc = _columns(xT, outer, index)
             ts, ys = tp._products(xc, shT[:, outer])
-            gys = [torch.empty_like(y) if y is not None else None for y in ys]
+            gys = [torch.empty_like(y) if y is not None else None for y in ys] if inputs_needed else None
             for inner in _chunks(outer.stop - outer.start, chunk):
                 cols = slice(outer.start + inner.start, outer.start + inner.stop)
                 ys_c = [y[..., inner] if y is not None else None for y in ys]
-                gys_c = [g[..., inner] if g is not None else None for g in gys]
+                gys_c = [g[..., inner] if g is not None else None for g in gys] if inputs_needed else None
                 first = [True] * len(ys)
                 for t, (h, w) in enumerate(zip(hT, linear)):
                     factors_c = (h[:, cols], w, outer_weights[t])
                     tp._contract_backward(t, ys_c, gT[t][:, cols], factors_c, ghs[t][:, cols], gls[t], gys_c, first)
-                for g, unused in zip(gys_c, first):
+                for g, unused in zip(gys_c or [], first):
                     if g is not None and unused:
                         g.zero_()
+            if not inputs_needed:
+                continue
             gxc, gsh[:, outer] = tp._products_backward(xc, ts, gys)
             if index is None:
                 gx[:, outer] = gxc
             else:
                 gx.index_add_(1, index[outer], gxc)
+        if not inputs_needed:
+            return (None, None, None, None, None, *[g.T for g in ghs], *gls)
         return (None, None, None, gx.T, gsh.T, *[g.T for g in ghs], *gls)
 
 
@@ -551,7 +594,9 @@ def _plain_gradients(tp, index, x, sh, factors, grads, needed) -> Tuple[Optional
     inputs = (x, sh, *factors)
     wanted = [t for t, need in zip(inputs, needed) if need]
     outs = tp._forward_plain(x, sh, factors[:n], factors[n:], index)
-    pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
+    pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+    if not pairs:  # no output depends on an input that needs a gradient
+        return tuple(None for _ in needed)
     found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], create_graph=True,
                                      allow_unused=True))
     return tuple(next(found) if need else None for need in needed)

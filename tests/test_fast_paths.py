@@ -204,3 +204,125 @@ def test_layer_benchmark_smoke(tmp_path):
         if row["method"] == "e3attn":
             assert row["speedup"] > 0
     assert math.isfinite(report["meta"]["threads"])
+
+
+def _small_layer():
+    torch.manual_seed(0)
+    irreps = ("4x0e + 2x1o", "4x0e + 2x1o", "4x0e + 2x1o", "4x0e + 2x1o + 2x2e")
+    return EquivariantAttention(*irreps, max_radius=2.0, num_heads=2, lmax=2)
+
+
+def _small_inputs(layer, dtype=torch.float32, n=10):
+    gen = torch.Generator().manual_seed(3)
+    pos = torch.randn(n, 3, generator=gen, dtype=dtype)
+    f = torch.randn(n, layer.irreps_input.dim, generator=gen, dtype=dtype)
+    return f, pos
+
+
+def test_layer_under_bfloat16_autocast_trains():
+    """Autocast runs the product as plain operations: forward and backward work and follow float32."""
+    layer = _small_layer()
+    f, pos = _small_inputs(layer)
+    reference = layer(f, pos)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(f, pos.requires_grad_())
+    out.float().pow(2).sum().backward()
+    assert torch.isfinite(pos.grad).all() and all(torch.isfinite(p.grad).all() for p in layer.parameters())
+    assert (out.float() - reference).abs().max() < 0.05 * reference.abs().max()
+
+
+def test_forces_when_no_key_irrep_is_reachable(float64_default):
+    """Keys with no path from x (x) Y are zero and carry no gradient: forces still work, for any graph."""
+    torch.manual_seed(0)
+    layer = EquivariantAttention("1x0e + 1x1o", "2x0e", "2x2o", "2x2o", max_radius=2.0, num_heads=2, lmax=1)
+    f, pos = _small_inputs(layer, torch.float64)
+    for edge_index in (brute_force_edges(pos, 2.0), torch.zeros(2, 0, dtype=torch.long), torch.tensor([[0], [1]])):
+        p = pos.clone().requires_grad_()
+        energy = layer(f, p, edge_index).pow(2).sum()
+        (forces,) = torch.autograd.grad(energy, p, create_graph=True)
+        forces.pow(2).sum().backward()
+        assert torch.isfinite(forces).all()
+
+
+def test_factored_create_graph_with_an_output_independent_of_the_inputs(float64_default):
+    tp = SphericalTensorProduct("2x0e + 1x1o", o3.Irreps.spherical_harmonics(1), ["2x0e", "2x0e + 1x1o"])
+    x, sh = torch.randn(4, 5), torch.randn(4, 4)
+    hs = [torch.randn(4, 3), torch.randn(4, 3)]
+    l0, l1 = torch.randn(3, tp.weight_numel[0]), torch.randn(3, tp.weight_numel[1], requires_grad=True)
+    _, v = tp.forward_factored(x, sh, hs, [l0, l1])
+    (grad,) = torch.autograd.grad(v.pow(2).sum(), l1, create_graph=True)
+    (expected,) = torch.autograd.grad(tp.forward(x, sh, [h @ w for h, w in zip(hs, [l0, l1])])[1].pow(2).sum(), l1)
+    torch.testing.assert_close(grad, expected, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("needs", ["hidden", "linear", "x", "sh"])
+def test_factored_gradients_of_some_inputs_only(needs, float64_default):
+    """The backward skips the gradients nobody asked for; the others equal plain autograd."""
+    tp = SphericalTensorProduct(*TP_CASES[1][:2][:1], o3.Irreps.spherical_harmonics(TP_CASES[1][1]), TP_CASES[1][2])
+    x, sh, hs, ls = _inputs(tp, 9, nodes=5)
+    index = torch.randint(0, 5, (9,), generator=torch.Generator().manual_seed(2))
+    groups = {"x": [x], "sh": [sh], "hidden": hs, "linear": ls}
+    for name, tensors in groups.items():
+        for t in tensors:
+            t.requires_grad_(name == needs)
+    outs = tp.forward_factored(x, sh, hs, ls, index=index, chunk_size=4)
+    ref = tp.forward(x[index], sh, [h @ w for h, w in zip(hs, ls)])
+    cotangents = [torch.randn_like(r) for r in ref]
+    got = torch.autograd.grad(outs, groups[needs], cotangents)
+    expected = torch.autograd.grad(ref, groups[needs], cotangents)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
+def test_inference_mode_then_training():
+    """A first call under inference_mode does not leave inference tensors behind for training."""
+    layer = _small_layer()
+    f, pos = _small_inputs(layer)
+    with torch.inference_mode():
+        expected = layer(f, pos)
+    out = layer(f, pos.requires_grad_())
+    out.pow(2).sum().backward()
+    torch.testing.assert_close(out.detach(), expected, atol=0, rtol=0)
+    assert torch.isfinite(pos.grad).all()
+
+
+def test_torch_func_transforms(float64_default):
+    """torch.func.grad and jacfwd see plain operations and agree with autograd."""
+    layer = _small_layer()
+    f, pos = _small_inputs(layer, torch.float64, n=6)
+    edge_index = brute_force_edges(pos, 2.0)
+    grad = torch.func.grad(lambda p: layer(f, p, edge_index).pow(2).sum())(pos)
+    p = pos.clone().requires_grad_()
+    (expected,) = torch.autograd.grad(layer(f, p, edge_index).pow(2).sum(), p)
+    torch.testing.assert_close(grad, expected, atol=1e-12, rtol=0)
+    jac = torch.func.jacfwd(lambda p: layer(f, p, edge_index)[:, 0])(pos)
+    assert jac.shape == (6, 6, 3) and torch.isfinite(jac).all()
+
+
+@pytest.mark.parametrize("case, match", [
+    ("sh_width", r"sh must have shape \[E, 9\]"),
+    ("x_width", r"x must have shape \[\*, 10\]"),
+    ("x_rows", "x must have one row per row of sh"),
+    ("index", r"index must have shape \[7\]"),
+    ("hidden", r"hidden\[0\] must have shape \[7, h\]"),
+    ("linear", r"linear\[0\] must have shape \[5, 26\]"),  # paths (4 + 2) x 3 channels + (4 + 2 + 2) x 1
+    ("dtype", "must share one dtype"),
+])
+def test_factored_product_bad_shapes(case, match):
+    tp = SphericalTensorProduct("4x0e + 2x1o", o3.Irreps.spherical_harmonics(2), ["3x0e + 1x1o"])
+    args = {"x": torch.randn(7, 10), "sh": torch.randn(7, 9), "h": torch.randn(7, 5),
+            "w": torch.randn(5, tp.weight_numel[0]), "index": None}
+    bad = {"sh_width": ("sh", torch.randn(7, 8)), "x_width": ("x", torch.randn(7, 11)),
+           "x_rows": ("x", torch.randn(12, 10)), "index": ("index", torch.zeros(6, dtype=torch.long)),
+           "hidden": ("h", torch.randn(6, 5)), "linear": ("w", torch.randn(5, 9)),
+           "dtype": ("sh", torch.randn(7, 9, dtype=torch.float64))}[case]
+    args[bad[0]] = bad[1]
+    with pytest.raises(ValueError, match=match):
+        tp.forward_factored(args["x"], args["sh"], [args["h"]], [args["w"]], index=args["index"])
+
+
+def test_cached_constant_follows_a_replaced_buffer():
+    tp = SphericalTensorProduct("2x1o", o3.Irreps.spherical_harmonics(1), ["1x0e"])
+    first = tp.constant("cg", torch.float32)
+    tp._buffers["cg"] = tp.cg * 2  # e.g. torch.func.functional_call or a DataParallel replica
+    torch.testing.assert_close(tp.constant("cg", torch.float32), 2 * first, atol=0, rtol=0)
