@@ -533,7 +533,12 @@ class _FactoredProduct(torch.autograd.Function):
                     tp._contract(t, ys_c, factors=(h[:, cols], w, outer_weights[t]), out=outs[t][:, cols])
         ctx.tp, ctx.chunk = tp, chunk
         ctx.save_for_backward(index, x, sh, *factors)
-        return tuple(out.T.contiguous() for out in outs)
+        outs = tuple(out.T.contiguous() for out in outs)
+        # output t depends on x, sh and its own hidden[t], linear[t] only
+        shared = x.requires_grad or sh.requires_grad
+        ctx.mark_non_differentiable(*[out for out, h, w in zip(outs, factors[:n], factors[n:])
+                                      if not (shared or h.requires_grad or w.requires_grad)])
+        return outs
 
     @staticmethod
     def backward(ctx, *grads: Optional[torch.Tensor]):

@@ -255,6 +255,23 @@ def test_factored_create_graph_with_an_output_independent_of_the_inputs(float64_
     torch.testing.assert_close(grad, expected, atol=1e-12, rtol=0)
 
 
+def test_factored_output_independent_of_grad_inputs_does_not_require_grad(float64_default):
+    """Only the value weights require a gradient: the keys do not (an error on backward, not zeros)."""
+    tp = SphericalTensorProduct("2x0e + 1x1o", o3.Irreps.spherical_harmonics(1), ["2x0e", "2x0e + 1x1o"])
+    x, sh = torch.randn(4, 5), torch.randn(4, 4)
+    hs = [torch.randn(4, 3), torch.randn(4, 3)]
+    l0, l1 = torch.randn(3, tp.weight_numel[0]), torch.randn(3, tp.weight_numel[1], requires_grad=True)
+    k, v = tp.forward_factored(x, sh, hs, [l0, l1])
+    assert not k.requires_grad and v.requires_grad
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        k.sum().backward()
+    (grad,) = torch.autograd.grad((k.sum() + v.pow(2).sum()), l1)
+    (expected,) = torch.autograd.grad(tp.forward(x, sh, [h @ w for h, w in zip(hs, [l0, l1])])[1].pow(2).sum(), l1)
+    torch.testing.assert_close(grad, expected, atol=1e-12, rtol=0)
+    x.requires_grad_()
+    assert all(out.requires_grad for out in tp.forward_factored(x, sh, hs, [l0, l1]))
+
+
 @pytest.mark.parametrize("needs", ["hidden", "linear", "x", "sh"])
 def test_factored_gradients_of_some_inputs_only(needs, float64_default):
     """The backward skips the gradients nobody asked for; the others equal plain autograd."""
