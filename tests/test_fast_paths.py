@@ -244,11 +244,16 @@ def test_forces_when_no_key_irrep_is_reachable(float64_default):
         assert torch.isfinite(forces).all()
 
 
-def test_factored_create_graph_with_an_output_independent_of_the_inputs(float64_default):
+def _only_values_trainable():
+    """A key/value product whose only input requiring a gradient is the values' last layer."""
     tp = SphericalTensorProduct("2x0e + 1x1o", o3.Irreps.spherical_harmonics(1), ["2x0e", "2x0e + 1x1o"])
     x, sh = torch.randn(4, 5), torch.randn(4, 4)
     hs = [torch.randn(4, 3), torch.randn(4, 3)]
-    l0, l1 = torch.randn(3, tp.weight_numel[0]), torch.randn(3, tp.weight_numel[1], requires_grad=True)
+    return tp, x, sh, hs, (torch.randn(3, tp.weight_numel[0]), torch.randn(3, tp.weight_numel[1], requires_grad=True))
+
+
+def test_factored_create_graph_with_an_output_independent_of_the_inputs(float64_default):
+    tp, x, sh, hs, (l0, l1) = _only_values_trainable()
     _, v = tp.forward_factored(x, sh, hs, [l0, l1])
     (grad,) = torch.autograd.grad(v.pow(2).sum(), l1, create_graph=True)
     (expected,) = torch.autograd.grad(tp.forward(x, sh, [h @ w for h, w in zip(hs, [l0, l1])])[1].pow(2).sum(), l1)
@@ -257,10 +262,7 @@ def test_factored_create_graph_with_an_output_independent_of_the_inputs(float64_
 
 def test_factored_output_independent_of_grad_inputs_does_not_require_grad(float64_default):
     """Only the value weights require a gradient: the keys do not (an error on backward, not zeros)."""
-    tp = SphericalTensorProduct("2x0e + 1x1o", o3.Irreps.spherical_harmonics(1), ["2x0e", "2x0e + 1x1o"])
-    x, sh = torch.randn(4, 5), torch.randn(4, 4)
-    hs = [torch.randn(4, 3), torch.randn(4, 3)]
-    l0, l1 = torch.randn(3, tp.weight_numel[0]), torch.randn(3, tp.weight_numel[1], requires_grad=True)
+    tp, x, sh, hs, (l0, l1) = _only_values_trainable()
     k, v = tp.forward_factored(x, sh, hs, [l0, l1])
     assert not k.requires_grad and v.requires_grad
     with pytest.raises(RuntimeError, match="does not require grad"):
