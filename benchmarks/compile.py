@@ -5,9 +5,10 @@ and compiled on the same radius graph (built once, passed explicitly). The compi
 compiled once (the time of the first forward and of the first forward+backward are reported as
 ``compile_fwd_s`` / ``compile_fwdbwd_s``) and reused for every size: ``dynamic=True`` keeps the
 numbers of nodes and edges symbolic, and ``recompiles`` counts the extra compilations dynamo made
-after the first size (expected 0). Under compilation the tensor product runs as plain tensor
-operations (its chunked hand-written path is eager-only), and the input checks that need the
-data on the host are skipped.
+after the first size (expected 0). Compiled, the tensor product is the same chunked custom
+operator as in eager mode (``e3attn::factored_product`` and its backward), which the compiler
+calls as it is, while the code around it is compiled; the input checks that need the data on the
+host are skipped.
 
 Times are the best of ``--repeats`` calls (eager and compiled alternating); ``max_abs_diff`` is
 the largest difference of the two outputs and ``max_grad_rel_diff`` that of the gradients with

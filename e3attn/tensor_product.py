@@ -2,6 +2,7 @@ r"""Fully connected tensor product of node features with spherical harmonics, pe
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -19,7 +20,7 @@ _CHUNK_FLOATS_GPU = 1 << 28
 _MIN_CHUNK = 256
 # Elementwise products up to this many floats are formed at once, larger ones one component m at a time.
 _PRODUCT_FLOATS = 1 << 20
-# Inner chunks per outer chunk (see ``_FactoredProduct``).
+# Inner chunks per outer chunk (see ``_factored_product``).
 _OUTER = 4
 
 
@@ -109,6 +110,8 @@ class SphericalTensorProduct(Float64ConstantsModule):
         self.irreps_sh = as_irreps(irreps_sh, "irreps_sh")
         self.irreps_outs = [as_irreps(ir, "irreps_outs") for ir in irreps_outs]
         self._dims = (self.irreps_in.dim, self.irreps_sh.dim)  # plain ints: torch.compile cannot guard on Irreps
+        # the irreps as one string: names the structure to the custom operators (see ``_structure``)
+        self._spec = _SEPARATOR.join(str(irreps) for irreps in (self.irreps_in, self.irreps_sh, *self.irreps_outs))
         if any(mul != 1 for mul, _ in self.irreps_sh):
             raise ValueError(f"irreps_sh must have multiplicity 1 everywhere, got {self.irreps_sh}")
         self._in = entries(self.irreps_in)
@@ -165,6 +168,7 @@ class SphericalTensorProduct(Float64ConstantsModule):
         self._block_numel = [[blk.k * blk.width for blk in blocks_t] for blocks_t in self._blocks]
         self._block_offsets = [[sum(sizes[:i]) for i in range(len(sizes))] for sizes in self._block_numel]
         self.weight_numel = [sum(sizes) for sizes in self._block_numel]
+        _STRUCTURES.setdefault(self._spec, self)
 
     def _harmonics_into(self, a: int, l: int, p: int) -> List[int]:
         """The harmonics ``b`` with a path from input irrep ``a`` to degree ``(l, p)``."""
@@ -174,8 +178,7 @@ class SphericalTensorProduct(Float64ConstantsModule):
     # ------------------------------------------------------------------ public entry points
 
     def forward(self, x: torch.Tensor, sh: torch.Tensor, weights: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        _, ys = self._products(x.T, sh.T)
-        return [self._contract(t, ys, w=w.T).T for t, w in enumerate(weights)]
+        return self._forward_weights(x, sh, weights, self.constant("cg", sh.dtype))
 
     def forward_factored(
         self,
@@ -198,9 +201,11 @@ class SphericalTensorProduct(Float64ConstantsModule):
         chunks of ``chunk_size`` (default :meth:`default_chunk_size`); the
         backward recomputes every intermediate chunk by chunk, so that only the
         inputs are kept for it. Twice differentiable (a second derivative, e.g.
-        training on forces, goes through plain autograd). Under
-        ``torch.compile``, autocast and ``torch.func`` transforms it runs as
-        plain tensor operations.
+        training on forces, goes through plain autograd). It runs as the custom
+        operator ``torch.ops.e3attn.factored_product`` (with its backward
+        ``e3attn.factored_product_backward``), so that ``torch.compile`` keeps
+        the same chunked computation in its graph; under autocast and
+        ``torch.func`` transforms it runs as plain tensor operations.
 
         Args:
             x: ``[E, irreps_in.dim]``, or ``[N, irreps_in.dim]`` with ``index``.
@@ -221,16 +226,16 @@ class SphericalTensorProduct(Float64ConstantsModule):
             [torch.Size([7, 6])]
         """
         self._check_factored(x, sh, hidden, linear, index)
-        if torch.compiler.is_compiling() or _plain_operations_only(sh.device.type):
-            return self._forward_plain(x, sh, hidden, linear, index)
+        cg = self.constant("cg", sh.dtype)
+        if _plain_operations_only(sh.device.type):
+            return self._forward_plain(x, sh, hidden, linear, index, cg)
         dtypes = {t.dtype for t in (x, sh, *hidden, *linear)}
         if len(dtypes) > 1:
             raise ValueError(f"x, sh, hidden and linear must share one dtype, got {sorted(map(str, dtypes))}")
-        if chunk_size is None:
-            chunk_size = self.default_chunk_size(sh.device)
-        if not (isinstance(chunk_size, int) and chunk_size > 0):
+        if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-        return list(_FactoredProduct.apply(self, chunk_size, index, x, sh, *hidden, *linear))
+        # 0: the default, chosen where the product runs (torch.compile cannot see the number of threads)
+        return _factored_product(self._spec, chunk_size or 0, index, x, sh, cg, [*hidden, *linear])
 
     def _check_factored(self, x, sh, hidden, linear, index) -> None:
         """Shapes of the arguments of :meth:`forward_factored`, with errors naming the argument."""
@@ -254,10 +259,15 @@ class SphericalTensorProduct(Float64ConstantsModule):
                 raise ValueError(
                     f"linear[{t}] must have shape [{h.shape[1]}, {self.weight_numel[t]}], got {list(w.shape)}")
 
-    def _forward_plain(self, x, sh, hidden, linear, index) -> List[torch.Tensor]:
+    def _forward_weights(self, x, sh, weights, cg: torch.Tensor) -> List[torch.Tensor]:
+        """:meth:`forward` with the constant ``cg`` given (on the device and in the dtype of ``sh``)."""
+        _, ys = self._products(x.T, sh.T, cg)
+        return [self._contract(t, ys, w=w.T).T for t, w in enumerate(weights)]
+
+    def _forward_plain(self, x, sh, hidden, linear, index, cg: torch.Tensor) -> List[torch.Tensor]:
         """:meth:`forward_factored` as plain differentiable tensor operations."""
         x = x if index is None else x.index_select(0, index)
-        return self.forward(x, sh, [h @ w for h, w in zip(hidden, linear)])
+        return self._forward_weights(x, sh, [h @ w for h, w in zip(hidden, linear)], cg)
 
     def default_chunk_size(self, device: Optional[torch.device] = None) -> int:
         """Samples per chunk of :meth:`forward_factored` on ``device`` (default: the CPU).
@@ -305,11 +315,13 @@ class SphericalTensorProduct(Float64ConstantsModule):
     # Every per-sample tensor below is laid out [features..., C] (samples along the contiguous last axis),
     # so that the products over the few components of an irrep are long vectorised elementwise operations.
 
-    def _products(self, xT: torch.Tensor, shT: torch.Tensor) -> Tuple[torch.Tensor, List[Optional[torch.Tensor]]]:
+    def _products(
+        self, xT: torch.Tensor, shT: torch.Tensor, cg: torch.Tensor
+    ) -> Tuple[torch.Tensor, List[Optional[torch.Tensor]]]:
         r"""Steps 1-2: :math:`T` ``[cg columns, C]`` and, per degree, :math:`y_g` ``[K_g, 2l+1, C]`` (None if :math:`K_g = 0`)."""
         num = xT.shape[1]
         xs = self._split_input(xT)
-        ts = self.constant("cg", shT.dtype).T @ shT
+        ts = cg.T @ shT
         parts: List[List[torch.Tensor]] = [[] for _ in self._groups]
         for s, t in zip(self._steps, self._split_steps(ts)):
             x = xs[s.a]
@@ -320,7 +332,7 @@ class SphericalTensorProduct(Float64ConstantsModule):
         return ts, [torch.cat(p, dim=0) if len(p) > 1 else (p[0] if p else None) for p in parts]
 
     def _products_backward(
-        self, xT: torch.Tensor, ts: torch.Tensor, gys: List[Optional[torch.Tensor]]
+        self, xT: torch.Tensor, ts: torch.Tensor, gys: List[Optional[torch.Tensor]], cg: torch.Tensor
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Gradients of steps 1-2: of :math:`x` ``[irreps_in.dim, C]`` and of :math:`Y` ``[irreps_sh.dim, C]``."""
         num = xT.shape[1]
@@ -336,7 +348,7 @@ class SphericalTensorProduct(Float64ConstantsModule):
             gxs[s.a] += (gy * t).sum(2)
             torch.sum(xs[s.a][:, :, None] * gy, dim=0, out=gt)
         gx = torch.cat([g.flatten(0, 1) for g in gxs], dim=0) if gxs else xT.new_zeros(0, num)
-        return gx, self.constant("cg", xT.dtype) @ gts
+        return gx, cg @ gts
 
     def _split_input(self, xT: torch.Tensor) -> List[torch.Tensor]:
         """``[irreps_in.dim, C]`` to ``[U_a, 2l_a+1, C]`` views."""
@@ -507,85 +519,141 @@ def _chunks(num: int, size: int) -> List[slice]:
     return [slice(start, min(start + size, num)) for start in range(0, num, size)]
 
 
-class _FactoredProduct(torch.autograd.Function):
-    """:meth:`SphericalTensorProduct.forward_factored`: chunked forward, chunked hand-written backward.
+# ---------------------------------------------------------------------- forward_factored as an operator
+# ``e3attn::factored_product`` and its backward are custom operators: eager mode and ``torch.compile``
+# (to which they are opaque calls with known output shapes) run the same chunked code. They receive the
+# irreps as a string and the Clebsch-Gordan constant as a tensor (on the inputs' device, in their dtype);
+# the rest of the structure comes from ``_structure``.
 
-    Two levels of chunks: steps 1-2 (few operations, small per sample) run on outer chunks of
-    ``_OUTER`` inner chunks; the weights and step 3 (many floats per sample) on inner chunks
-    that stay in cache.
+_SEPARATOR = " | "
+
+
+# a live product of every spec, registered when built (so that tracing never has to build one)
+_STRUCTURES: "weakref.WeakValueDictionary[str, SphericalTensorProduct]" = weakref.WeakValueDictionary()
+
+
+def _structure(spec: str) -> "SphericalTensorProduct":
+    """A tensor product named by ``spec`` (``SphericalTensorProduct._spec``): only its structure is used."""
+    tp = _STRUCTURES.get(spec)
+    if tp is None:  # none alive, e.g. a graph saved by another process
+        irreps_in, irreps_sh, *irreps_outs = spec.split(_SEPARATOR)
+        tp = SphericalTensorProduct(irreps_in, irreps_sh, irreps_outs)
+    return tp
+
+
+@torch.library.custom_op("e3attn::factored_product", mutates_args=())
+def _factored_product(spec: str, chunk: int, index: Optional[torch.Tensor], x: torch.Tensor, sh: torch.Tensor,
+                      cg: torch.Tensor, factors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """:meth:`SphericalTensorProduct.forward_factored` (``factors``: the hidden, then the linear), chunked.
+
+    Steps 1-2 (few operations, small per sample) run on outer chunks of ``_OUTER`` inner chunks;
+    the weights and step 3 (many floats per sample) on inner chunks that stay in cache.
     """
+    tp = _structure(spec)
+    n, num = len(tp.irreps_outs), sh.shape[0]
+    chunk = chunk or tp.default_chunk_size(sh.device)
+    xT, shT = x.T.contiguous(), sh.T.contiguous()
+    hT = [h.T.contiguous() for h in factors[:n]]
+    outs = [xT.new_empty(out.dim, num) for out in tp.irreps_outs]
+    outer_weights = [tp._outer_weights(t, w) for t, w in enumerate(factors[n:])]
+    for outer in _chunks(num, chunk * _OUTER):
+        _, ys = tp._products(_columns(xT, outer, index), shT[:, outer], cg)
+        for inner in _chunks(outer.stop - outer.start, chunk):
+            cols = slice(outer.start + inner.start, outer.start + inner.stop)
+            ys_c = [y[..., inner] if y is not None else None for y in ys]
+            for t, (h, w) in enumerate(zip(hT, factors[n:])):
+                tp._contract(t, ys_c, factors=(h[:, cols], w, outer_weights[t]), out=outs[t][:, cols])
+    return [out.T.contiguous() for out in outs]
 
-    @staticmethod
-    def forward(ctx, tp: SphericalTensorProduct, chunk: int, index: Optional[torch.Tensor], x: torch.Tensor,
-                sh: torch.Tensor, *factors: torch.Tensor):
-        n = len(tp.irreps_outs)
-        num = sh.shape[0]
-        xT, shT = x.T.contiguous(), sh.T.contiguous()
-        hT = [h.T.contiguous() for h in factors[:n]]
-        outs = [xT.new_empty(out.dim, num) for out in tp.irreps_outs]
-        outer_weights = [tp._outer_weights(t, w) for t, w in enumerate(factors[n:])]
-        for outer in _chunks(num, chunk * _OUTER):
-            _, ys = tp._products(_columns(xT, outer, index), shT[:, outer])
-            for inner in _chunks(outer.stop - outer.start, chunk):
-                cols = slice(outer.start + inner.start, outer.start + inner.stop)
-                ys_c = [y[..., inner] if y is not None else None for y in ys]
-                for t, (h, w) in enumerate(zip(hT, factors[n:])):
-                    tp._contract(t, ys_c, factors=(h[:, cols], w, outer_weights[t]), out=outs[t][:, cols])
-        ctx.tp, ctx.chunk = tp, chunk
-        ctx.save_for_backward(index, x, sh, *factors)
-        outs = tuple(out.T.contiguous() for out in outs)
-        # output t depends on x, sh and its own hidden[t], linear[t] only
-        shared = x.requires_grad or sh.requires_grad
-        ctx.mark_non_differentiable(*[out for out, h, w in zip(outs, factors[:n], factors[n:])
-                                      if not (shared or h.requires_grad or w.requires_grad)])
-        return outs
 
-    @staticmethod
-    def backward(ctx, *grads: Optional[torch.Tensor]):
-        tp: SphericalTensorProduct = ctx.tp
-        n = len(tp.irreps_outs)
-        index, x, sh, *factors = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph: differentiate the plain formulation, twice differentiable
-            return (None, None, None) + _plain_gradients(tp, index, x, sh, factors, grads, ctx.needs_input_grad[3:])
-        hidden, linear = factors[:n], factors[n:]
-        num, chunk = sh.shape[0], ctx.chunk
-        xT, shT = x.T.contiguous(), sh.T.contiguous()
-        hT = [h.T.contiguous() for h in hidden]
-        gT = [g.T.contiguous() if g is not None else sh.new_zeros(out.dim, num)
-              for g, out in zip(grads, tp.irreps_outs)]
-        inputs_needed = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]  # x or sh: steps 1-2 backward
-        gx = gsh = None
-        if inputs_needed:
-            gx = torch.zeros_like(xT) if index is not None else x.new_empty(x.shape[1], num)  # [D, N] or [D, E]
-            gsh = sh.new_empty(sh.shape[1], num)
-        ghs = [h.new_empty(h.shape[1], num) for h in hidden]
-        gls = [torch.zeros_like(w) for w in linear]
-        outer_weights = [tp._outer_weights(t, w) for t, w in enumerate(linear)]
-        for outer in _chunks(num, chunk * _OUTER):
-            xc = _columns(xT, outer, index)
-            ts, ys = tp._products(xc, shT[:, outer])
-            gys = [torch.empty_like(y) if y is not None else None for y in ys] if inputs_needed else None
-            for inner in _chunks(outer.stop - outer.start, chunk):
-                cols = slice(outer.start + inner.start, outer.start + inner.stop)
-                ys_c = [y[..., inner] if y is not None else None for y in ys]
-                gys_c = [g[..., inner] if g is not None else None for g in gys] if inputs_needed else None
-                first = [True] * len(ys)
-                for t, (h, w) in enumerate(zip(hT, linear)):
-                    factors_c = (h[:, cols], w, outer_weights[t])
-                    tp._contract_backward(t, ys_c, gT[t][:, cols], factors_c, ghs[t][:, cols], gls[t], gys_c, first)
-                for g, unused in zip(gys_c or [], first):
-                    if g is not None and unused:
-                        g.zero_()
-            if not inputs_needed:
-                continue
-            gxc, gsh[:, outer] = tp._products_backward(xc, ts, gys)
-            if index is None:
-                gx[:, outer] = gxc
-            else:
-                gx.index_add_(1, index[outer], gxc)
+@_factored_product.register_fake
+def _(spec, chunk, index, x, sh, cg, factors):
+    return [sh.new_empty(sh.shape[0], out.dim) for out in _structure(spec).irreps_outs]
+
+
+@torch.library.custom_op("e3attn::factored_product_backward", mutates_args=())
+def _factored_product_backward(spec: str, chunk: int, index: Optional[torch.Tensor], x: torch.Tensor,
+                               sh: torch.Tensor, cg: torch.Tensor, factors: List[torch.Tensor],
+                               grads: List[torch.Tensor], inputs_needed: bool) -> List[torch.Tensor]:
+    """The gradients of ``x`` and ``sh`` (empty unless ``inputs_needed``) and of every factor.
+
+    Hand-written and chunked like the forward, recomputing every intermediate chunk by chunk.
+    """
+    tp = _structure(spec)
+    n, num = len(tp.irreps_outs), sh.shape[0]
+    chunk = chunk or tp.default_chunk_size(sh.device)
+    hidden, linear = factors[:n], factors[n:]
+    xT, shT = x.T.contiguous(), sh.T.contiguous()
+    hT = [h.T.contiguous() for h in hidden]
+    gT = [g.T.contiguous() for g in grads]
+    if inputs_needed:  # steps 1-2 backward
+        gx = torch.zeros_like(xT) if index is not None else x.new_empty(x.shape[1], num)  # [D, N] or [D, E]
+        gsh = sh.new_empty(sh.shape[1], num)
+    ghs = [h.new_empty(h.shape[1], num) for h in hidden]
+    gls = [torch.zeros_like(w) for w in linear]
+    outer_weights = [tp._outer_weights(t, w) for t, w in enumerate(linear)]
+    for outer in _chunks(num, chunk * _OUTER):
+        xc = _columns(xT, outer, index)
+        ts, ys = tp._products(xc, shT[:, outer], cg)
+        gys = [torch.empty_like(y) if y is not None else None for y in ys] if inputs_needed else None
+        for inner in _chunks(outer.stop - outer.start, chunk):
+            cols = slice(outer.start + inner.start, outer.start + inner.stop)
+            ys_c = [y[..., inner] if y is not None else None for y in ys]
+            gys_c = [g[..., inner] if g is not None else None for g in gys] if inputs_needed else None
+            first = [True] * len(ys)
+            for t, (h, w) in enumerate(zip(hT, linear)):
+                factors_c = (h[:, cols], w, outer_weights[t])
+                tp._contract_backward(t, ys_c, gT[t][:, cols], factors_c, ghs[t][:, cols], gls[t], gys_c, first)
+            for g, unused in zip(gys_c or [], first):
+                if g is not None and unused:
+                    g.zero_()
         if not inputs_needed:
-            return (None, None, None, None, None, *[g.T for g in ghs], *gls)
-        return (None, None, None, gx.T, gsh.T, *[g.T for g in ghs], *gls)
+            continue
+        gxc, gsh[:, outer] = tp._products_backward(xc, ts, gys, cg)
+        if index is None:
+            gx[:, outer] = gxc
+        else:
+            gx.index_add_(1, index[outer], gxc)
+    # the samples-last buffers as transposed views: the layout that ``register_fake`` declares
+    inputs = [gx.T, gsh.T] if inputs_needed else [x.new_empty(0), x.new_empty(0)]
+    return [*inputs, *[g.T for g in ghs], *gls]
+
+
+@_factored_product_backward.register_fake
+def _(spec, chunk, index, x, sh, cg, factors, grads, inputs_needed):
+    n = len(factors) // 2
+    inputs = [x, sh] if inputs_needed else []
+    samples_last = [t.new_empty(t.shape[1], t.shape[0]).T for t in (*inputs, *factors[:n])]
+    empty = [x.new_empty(0) for _ in range(2 - len(inputs))]
+    return empty + samples_last + [w.new_empty(w.shape) for w in factors[n:]]
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    spec, chunk, index, x, sh, cg, factors = inputs
+    ctx.spec, ctx.chunk = spec, chunk
+    ctx.save_for_backward(index, x, sh, cg, *factors)
+    # output t depends on x, sh and its own hidden[t], linear[t] only
+    n = len(output)
+    shared = x.requires_grad or sh.requires_grad
+    ctx.mark_non_differentiable(*[out for out, h, w in zip(output, factors[:n], factors[n:])
+                                  if not (shared or h.requires_grad or w.requires_grad)])
+
+
+def _backward(ctx, grads: List[Optional[torch.Tensor]]):
+    index, x, sh, cg, *factors = ctx.saved_tensors
+    needed = [ctx.needs_input_grad[3], ctx.needs_input_grad[4], *ctx.needs_input_grad[6]]
+    tp = _structure(ctx.spec)
+    if torch.is_grad_enabled():  # create_graph: differentiate the plain formulation, twice differentiable
+        found = _plain_gradients(tp, index, x, sh, cg, factors, grads, needed)
+    else:
+        grads = [g if g is not None else sh.new_zeros(sh.shape[0], out.dim) for g, out in zip(grads, tp.irreps_outs)]
+        found = _factored_product_backward(ctx.spec, ctx.chunk, index, x, sh, cg, factors, grads,
+                                           needed[0] or needed[1])
+        found = [g if need else None for g, need in zip(found, needed)]
+    return None, None, None, found[0], found[1], None, list(found[2:])
+
+
+_factored_product.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _columns(xT: torch.Tensor, cols: slice, index: Optional[torch.Tensor]) -> torch.Tensor:
@@ -593,12 +661,12 @@ def _columns(xT: torch.Tensor, cols: slice, index: Optional[torch.Tensor]) -> to
     return xT[:, cols] if index is None else xT.index_select(1, index[cols])
 
 
-def _plain_gradients(tp, index, x, sh, factors, grads, needed) -> Tuple[Optional[torch.Tensor], ...]:
+def _plain_gradients(tp, index, x, sh, cg, factors, grads, needed) -> Tuple[Optional[torch.Tensor], ...]:
     """Gradients of ``forward_factored`` through plain autograd, differentiable for higher derivatives."""
     n = len(tp.irreps_outs)
     inputs = (x, sh, *factors)
     wanted = [t for t, need in zip(inputs, needed) if need]
-    outs = tp._forward_plain(x, sh, factors[:n], factors[n:], index)
+    outs = tp._forward_plain(x, sh, factors[:n], factors[n:], index, cg)
     pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
     if not pairs:  # no output depends on an input that needs a gradient
         return tuple(None for _ in needed)

@@ -345,3 +345,28 @@ def test_cached_constant_follows_a_replaced_buffer():
     first = tp.constant("cg", torch.float32)
     tp._buffers["cg"] = tp.cg * 2  # e.g. torch.func.functional_call or a DataParallel replica
     torch.testing.assert_close(tp.constant("cg", torch.float32), 2 * first, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("gathered", [False, True])
+@pytest.mark.parametrize("chunk_size", [0, 4])
+def test_factored_operators_pass_opcheck(gathered, chunk_size):
+    # schema, fake (meta) implementation, autograd registration and AOT dispatch of the custom operators
+    tp = SphericalTensorProduct(*TP_CASES[1][:1], o3.Irreps.spherical_harmonics(TP_CASES[1][1]), TP_CASES[1][2])
+    x, sh, hs, ls = _inputs(tp, 11, nodes=5 if gathered else None)
+    index = torch.randint(0, 5, (11,), generator=torch.Generator().manual_seed(2)) if gathered else None
+    cg = tp.constant("cg", torch.float64)
+    torch.library.opcheck(tensor_product._factored_product, (tp._spec, chunk_size, index, x, sh, cg, [*hs, *ls]))
+    grads = [torch.randn(11, out.dim, dtype=torch.float64) for out in tp.irreps_outs]
+    for inputs_needed in (False, True):
+        args = (tp._spec, chunk_size, index, x.detach(), sh.detach(), cg, [t.detach() for t in (*hs, *ls)], grads,
+                inputs_needed)
+        torch.library.opcheck(tensor_product._factored_product_backward, args)
+
+
+def test_factored_operators_find_their_structure_from_the_irreps():
+    tp = SphericalTensorProduct(*TP_CASES[1][:1], o3.Irreps.spherical_harmonics(TP_CASES[1][1]), TP_CASES[1][2])
+    assert tensor_product._structure(tp._spec) is tp  # the live product of these irreps
+    spec, blocks, steps = tp._spec, tp._blocks, tp._steps
+    del tp
+    rebuilt = tensor_product._structure(spec)  # none alive: built from the string
+    assert (rebuilt._spec, rebuilt._blocks, rebuilt._steps) == (spec, blocks, steps)
