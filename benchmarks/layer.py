@@ -40,6 +40,7 @@ Usage::
     python benchmarks/layer.py                          # both configurations at 1e3 and 1e4 nodes
     python benchmarks/layer.py --device cpu --threads 1
     python benchmarks/layer.py --quick                  # tiny sizes, a smoke test
+    python benchmarks/layer.py --forces --fused         # + force-training step, + the fused kernels
 """
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ for path in (ROOT, ROOT / "benchmarks"):  # run from a checkout without installi
 
 from dense_vs_sparse import box_side, cpu_name, memory_method, peak_mib, sync  # noqa: E402
 
+from e3attn import kernels  # noqa: E402
 from e3attn.attention import EquivariantAttention  # noqa: E402
 from e3attn.graph import radius_graph  # noqa: E402
 
@@ -152,8 +154,23 @@ def _head_channels(irreps: o3.Irreps, num_heads: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------- measurement
 
 
+class FusedKernels(torch.nn.Module):
+    """``layer`` with its tensor product on the fused kernels (:mod:`e3attn.kernels`, opt-in)."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, *args):
+        kernels.set_fused_kernels(True)  # the operators record their own backward: no switch needed there
+        try:
+            return self.layer(*args)
+        finally:
+            kernels.set_fused_kernels(False)
+
+
 def _calls(model: torch.nn.Module, f: torch.Tensor, pos: torch.Tensor, edge_index: torch.Tensor):
-    """Forward (no grad) and forward+backward calls of ``model``."""
+    """Forward (no grad), forward+backward and force-training calls of ``model``."""
     leaves = [f, pos, *model.parameters()]
 
     def fwd() -> None:
@@ -165,7 +182,15 @@ def _calls(model: torch.nn.Module, f: torch.Tensor, pos: torch.Tensor, edge_inde
         for leaf in leaves:
             leaf.grad = None
 
-    return {"fwd": fwd, "fwdbwd": fwdbwd}
+    def force() -> None:
+        # energy E = sum of out^2 (invariant), forces -dE/dpos with create_graph, loss E^2 + |F|^2, backward
+        energy = model(f, pos, edge_index).pow(2).sum()
+        forces = -torch.autograd.grad(energy, pos, create_graph=True)[0]
+        (energy.pow(2) + forces.pow(2).sum()).backward()
+        for leaf in leaves:
+            leaf.grad = None
+
+    return {"fwd": fwd, "fwdbwd": fwdbwd, "force": force}
 
 
 def cloud(n: int, degree: float, gen: torch.Generator, dtype: torch.dtype = torch.float32):
@@ -198,7 +223,7 @@ def build(config: str, n: int, degree: float, device: torch.device, seed: int):
     f = torch.randn(n, layer.irreps_input.dim, generator=gen)
     layer, baseline = layer.to(device), baseline.to(device)
     pos, f, edge_index = pos.to(device).requires_grad_(), f.to(device).requires_grad_(), edge_index.to(device)
-    return {"baseline": baseline, "e3attn": layer}, f, pos, edge_index
+    return {"baseline": baseline, "e3attn": layer, "fused": FusedKernels(layer)}, f, pos, edge_index
 
 
 def weight_counts(models: Dict[str, torch.nn.Module]) -> Dict[str, int]:
@@ -216,40 +241,45 @@ def max_rel_diff(models: Dict[str, torch.nn.Module], f, pos, edge_index) -> floa
 def run_case(config: str, n: int, args: argparse.Namespace, device: torch.device,
              previous: Optional[dict]) -> List[dict]:
     """Rows of both methods for one (configuration, number of nodes)."""
+    methods = METHODS + (("fused",) if args.fused else ())
     models, f, pos, edge_index = build(config, n, args.degree, device, args.seed)
     edges = edge_index.shape[1]
     base = {"config": config, "nodes": n, "edges": edges, "mean_degree": edges / n, "weights": weight_counts(models)}
     reason = _too_big(previous, edges, args)
     if reason:
-        return [dict(base, method=m, skipped=reason) for m in METHODS]
+        return [dict(base, method=m, skipped=reason) for m in methods]
     base["max_rel_diff"] = max_rel_diff(models, f, pos, edge_index)
-    calls = {m: _calls(models[m], f, pos, edge_index) for m in METHODS}
+    calls = {m: _calls(models[m], f, pos, edge_index) for m in methods}
     method = memory_method(device, args.memory)
-    rows = {m: dict(base, method=m, skipped=None) for m in METHODS}
-    for kind in ("fwd", "fwdbwd"):
-        samples: Dict[str, List[float]] = {m: [] for m in METHODS}
-        for m in METHODS:
+    rows = {m: dict(base, method=m, skipped=None) for m in methods}
+    for kind in ("fwd", "fwdbwd") + (("force",) if args.forces else ()):
+        samples: Dict[str, List[float]] = {m: [] for m in methods}
+        for m in methods:
             calls[m][kind]()  # warm-up
         for _ in range(args.repeats or DEFAULTS[config]["repeats"]):
-            for m in METHODS:
+            for m in methods:
                 sync(device)
                 start = time.perf_counter()
                 calls[m][kind]()
                 sync(device)
                 samples[m].append(time.perf_counter() - start)
-        for m in METHODS:
+        for m in methods:
             rows[m][f"{kind}_ms"] = 1e3 * min(samples[m])
             rows[m][f"{kind}_median_ms"] = 1e3 * statistics.median(samples[m])
-    for m in METHODS:  # after the timings: measuring returns free memory to the system
-        for kind, call in calls[m].items():
-            rows[m][f"{kind}_mib"] = peak_mib(call, method, device)
+    for m in methods:  # after the timings: measuring returns free memory to the system
+        for kind in ("fwd", "fwdbwd"):
+            rows[m][f"{kind}_mib"] = peak_mib(calls[m][kind], method, device)
         rows[m]["edges_per_s"] = edges / (rows[m]["fwdbwd_ms"] / 1e3)
-    e3, bl = rows["e3attn"], rows["baseline"]
-    e3["speedup"] = bl["fwdbwd_ms"] / e3["fwdbwd_ms"]
-    e3["speedup_fwd"] = bl["fwd_ms"] / e3["fwd_ms"]
-    if e3["fwdbwd_mib"] is not None and bl["fwdbwd_mib"]:
-        e3["memory_ratio"] = e3["fwdbwd_mib"] / bl["fwdbwd_mib"]
-    return [bl, e3]
+    bl = rows["baseline"]
+    for m in methods[1:]:
+        row = rows[m]
+        row["speedup"] = bl["fwdbwd_ms"] / row["fwdbwd_ms"]
+        row["speedup_fwd"] = bl["fwd_ms"] / row["fwd_ms"]
+        if args.forces:
+            row["speedup_force"] = bl["force_ms"] / row["force_ms"]
+        if row["fwdbwd_mib"] is not None and bl["fwdbwd_mib"]:
+            row["memory_ratio"] = row["fwdbwd_mib"] / bl["fwdbwd_mib"]
+    return [rows[m] for m in methods]
 
 
 def _too_big(previous: Optional[dict], edges: int, args: argparse.Namespace) -> Optional[str]:
@@ -270,7 +300,8 @@ def _too_big(previous: Optional[dict], edges: int, args: argparse.Namespace) -> 
 
 
 HEADER = (f"{'config':>6} {'nodes':>6} {'edges':>8} {'method':>8} {'fwd ms':>9} {'fwd+bwd ms':>11} "
-          f"{'speed-up':>8} {'fwd MiB':>8} {'f+b MiB':>8} {'mem ratio':>9} {'Medges/s':>9}")
+          f"{'speed-up':>8} {'fwd MiB':>8} {'f+b MiB':>8} {'mem ratio':>9} {'Medges/s':>9} {'force ms':>9} "
+          f"{'speed-up':>8}")
 
 
 def format_row(row: dict) -> str:
@@ -285,7 +316,7 @@ def format_row(row: dict) -> str:
 
     return (f"{head} {num('fwd_ms', '9.1f')} {num('fwdbwd_ms', '11.1f')} {num('speedup', '8.2f')} "
             f"{num('fwd_mib', '8.1f')} {num('fwdbwd_mib', '8.1f')} {num('memory_ratio', '9.2f')} "
-            f"{row['edges_per_s'] / 1e6:9.3f}")
+            f"{row['edges_per_s'] / 1e6:9.3f} {num('force_ms', '9.1f')} {num('speedup_force', '8.2f')}")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -302,6 +333,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--memory", choices=("auto", "cuda", "rss", "none"), default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny sizes and 2 repeats: a smoke test")
+    p.add_argument("--forces", action="store_true",
+                   help="also time a force-training step (forces by create_graph, loss on energy and forces)")
+    p.add_argument("--fused", action="store_true",
+                   help="also time e3attn on the fused kernels (e3attn.kernels, opt-in; needs numba)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "layer.json")
     args = p.parse_args(argv)
     if args.quick:

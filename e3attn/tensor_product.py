@@ -8,6 +8,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from e3nn import o3
 
+from . import kernels
 from ._constants import Float64ConstantsModule
 from ._irreps import IrrepsLike, as_irreps, entries
 
@@ -205,7 +206,9 @@ class SphericalTensorProduct(Float64ConstantsModule):
         operator ``torch.ops.e3attn.factored_product`` (with its backward
         ``e3attn.factored_product_backward``), so that ``torch.compile`` keeps
         the same chunked computation in its graph; under autocast and
-        ``torch.func`` transforms it runs as plain tensor operations.
+        ``torch.func`` transforms it runs as plain tensor operations. With
+        :func:`e3attn.kernels.set_fused_kernels` it runs the fused kernels
+        instead (CPU, float32 and float64; ``chunk_size`` is then the tile).
 
         Args:
             x: ``[E, irreps_in.dim]``, or ``[N, irreps_in.dim]`` with ``index``.
@@ -234,6 +237,9 @@ class SphericalTensorProduct(Float64ConstantsModule):
             raise ValueError(f"x, sh, hidden and linear must share one dtype, got {sorted(map(str, dtypes))}")
         if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        if kernels.fused_enabled(sh.device, sh.dtype):  # opt-in: e3attn.kernels.set_fused_kernels(True)
+            index = index.long() if index is not None else None
+            return kernels.fused_factored_product(self._spec, x, sh, hidden, linear, index, chunk_size or 0)
         # 0: the default, chosen where the product runs (torch.compile cannot see the number of threads)
         return _factored_product(self._spec, chunk_size or 0, index, x, sh, cg, [*hidden, *linear])
 

@@ -1,0 +1,116 @@
+r"""The flat integer and float arrays that describe a :class:`~e3attn.tensor_product.SphericalTensorProduct` to a kernel.
+
+A fused kernel sees the product as two sparse steps per edge :math:`e`:
+
+1. the *path features* :math:`y_e = P(x_e, Y_e)`, one float per (degree group :math:`g`, path :math:`k`,
+   component :math:`m`), from the non-zero Clebsch-Gordan coefficients:
+
+   .. math:: y_{e, p} = \sum_{q:\ p_q = p} c_q\, x_{e, i_q}\, Y_{e, j_q}
+
+2. per output block (an output :math:`t` and a degree group :math:`g`, weights ``[K, W]``):
+
+   .. math:: z_{e, \mathrm{col}(w) + m} = \sum_k \Big(\sum_h h_{e, h} L_{h, k W + w}\Big)\, y_{e, g, k, m}
+
+All arrays are built once per product, from its Clebsch-Gordan constant and weight layout.
+"""
+from __future__ import annotations
+
+from typing import Dict, NamedTuple, Tuple
+
+import numpy as np
+import torch
+
+__all__ = ["KernelLayout", "kernel_layout", "layout_for"]
+
+# columns of ``KernelLayout.blocks``
+BLOCK_FIELDS = ("output", "path_offset", "k", "dim_l", "width", "weight_offset", "channel_offset")
+
+
+class KernelLayout(NamedTuple):
+    """The structure of a tensor product as flat arrays (see the module docstring).
+
+    ``path_x``, ``path_y``, ``path_p`` (int64) and ``path_c`` (float64) list the non-zero
+    coefficients :math:`(i_q, j_q, p_q, c_q)`, sorted by :math:`p_q`; ``num_paths`` is the length of
+    :math:`y_e`. ``blocks`` has one row per output block with the columns ``BLOCK_FIELDS``: the
+    output, the offset of its degree group in :math:`y_e`, :math:`K`, :math:`2l+1`, :math:`W`,
+    the offset of its ``[K, W]`` weights in the output's weights and the offset of its channels in
+    ``channels``, which holds the first output column (component :math:`m = 0`) of every channel
+    :math:`w`, counted in the concatenation of all outputs. ``out_offsets`` are the first columns of
+    the outputs in that concatenation and ``weight_numel`` their weight counts.
+    """
+
+    path_x: np.ndarray
+    path_y: np.ndarray
+    path_p: np.ndarray
+    path_c: np.ndarray
+    num_paths: int
+    blocks: np.ndarray
+    channels: np.ndarray
+    out_offsets: Tuple[int, ...]
+    weight_numel: Tuple[int, ...]
+    out_dim: int
+
+
+def kernel_layout(tp) -> KernelLayout:
+    """The :class:`KernelLayout` of ``tp`` (a ``SphericalTensorProduct``), read from its structure."""
+    cg = tp.cg.detach().to("cpu", torch.float64).numpy()
+    in_offsets = np.cumsum([0] + [mul * (2 * l + 1) for mul, l, _ in tp._in])
+    group_sizes = [k * (2 * l + 1) for k, (l, _) in zip(tp._k, tp._groups)]
+    group_offsets = np.cumsum([0] + group_sizes)
+    rows_done = [0] * len(tp._groups)  # paths k of each group already placed by earlier steps
+
+    xs, ys, ps, cs = [], [], [], []
+    column = 0
+    for step in tp._steps:
+        mul = step.rows // (step.cols // step.dim_l)
+        n_sh = step.cols // step.dim_l
+        block = cg[:, column : column + step.dim_a * step.cols].reshape(-1, step.dim_a, n_sh, step.dim_l)
+        column += step.dim_a * step.cols
+        for j, i, n, m in zip(*np.nonzero(block)):
+            for u in range(mul):
+                k = rows_done[step.g] + u * n_sh + n
+                xs.append(in_offsets[step.a] + u * step.dim_a + i)
+                ys.append(j)
+                ps.append(group_offsets[step.g] + k * step.dim_l + m)
+                cs.append(block[j, i, n, m])
+        rows_done[step.g] += step.rows
+    order = np.argsort(np.asarray(ps, dtype=np.int64), kind="stable")
+
+    out_dims = [irreps.dim for irreps in tp.irreps_outs]
+    out_offsets = tuple(int(v) for v in np.cumsum([0] + out_dims[:-1]))
+    blocks, channels = [], []
+    for t, blocks_t in enumerate(tp._blocks):
+        for blk, weight_offset in zip(blocks_t, tp._block_offsets[t]):
+            first = [0] * blk.width
+            for mul, start, row in blk.members:
+                for w in range(mul):
+                    first[start + w] = out_offsets[t] + row + w * blk.dim_l
+            blocks.append((t, group_offsets[blk.g], blk.k, blk.dim_l, blk.width, weight_offset, len(channels)))
+            channels.extend(first)
+
+    def ints(values) -> np.ndarray:
+        return np.ascontiguousarray(np.asarray(values, dtype=np.int64))
+
+    return KernelLayout(
+        path_x=ints(xs)[order], path_y=ints(ys)[order], path_p=ints(ps)[order],
+        path_c=np.ascontiguousarray(np.asarray(cs, dtype=np.float64)[order]),
+        num_paths=int(group_offsets[-1]),
+        blocks=ints(blocks).reshape(-1, len(BLOCK_FIELDS)),
+        channels=ints(channels),
+        out_offsets=out_offsets,
+        weight_numel=tuple(tp.weight_numel),
+        out_dim=sum(out_dims),
+    )
+
+
+_LAYOUTS: Dict[str, KernelLayout] = {}
+
+
+def layout_for(spec: str) -> KernelLayout:
+    """The layout of the product named by ``spec`` (``SphericalTensorProduct._spec``), built once per process."""
+    layout = _LAYOUTS.get(spec)
+    if layout is None:
+        from ..tensor_product import _structure  # the product module uses the kernels
+
+        layout = _LAYOUTS[spec] = kernel_layout(_structure(spec))
+    return layout

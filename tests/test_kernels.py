@@ -1,0 +1,160 @@
+"""The fused kernels (e3attn.kernels): equal to e3nn and to the plain formulation, values and first and second
+derivatives, in float64; custom operators that pass opcheck; bitwise repeatable; opt-in switch."""
+import pytest
+import torch
+from e3nn import o3
+
+from e3attn import kernels
+from e3attn.attention import EquivariantAttention
+from e3attn.kernels import ops
+from e3attn.tensor_product import SphericalTensorProduct
+from test_fast_paths import TP_CASES, _e3nn_products, _inputs
+
+pytest.importorskip("numba")
+
+
+@pytest.fixture
+def fused(monkeypatch):
+    """Run a test with the fused kernels switched on; yields the list of their forward calls."""
+    calls, original = [], ops.fused_product
+    monkeypatch.setattr(ops, "fused_product", lambda *args: calls.append(args[0]) or original(*args))
+    kernels.set_fused_kernels(True)
+    yield calls
+    kernels.set_fused_kernels(False)
+
+
+def _case(case, num=13, nodes=6, seed=0):
+    irreps_in, lmax, outs = case
+    tp = SphericalTensorProduct(irreps_in, o3.Irreps.spherical_harmonics(lmax), outs)
+    x, sh, hs, ls = _inputs(tp, num, nodes=nodes, seed=seed)
+    index = torch.randint(0, nodes, (num,), generator=torch.Generator().manual_seed(seed + 1)) if nodes else None
+    return tp, x, sh, hs, ls, index
+
+
+@pytest.mark.parametrize("tile", [1, 5, None])
+@pytest.mark.parametrize("gathered", [False, True])
+@pytest.mark.parametrize("case", TP_CASES)
+def test_fused_product_equals_e3nn(case, gathered, tile, fused, float64_default):
+    tp, x, sh, hs, ls, index = _case(case, nodes=6 if gathered else None)
+    got = tp.forward_factored(x, sh, hs, ls, index=index, chunk_size=tile)
+    assert fused == [tp._spec]  # the kernels ran
+    ref = _e3nn_products(tp, x[index] if gathered else x, sh, [h @ w for h, w in zip(hs, ls)])
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    cotangents = [torch.randn_like(r) for r in ref]
+    inputs = [x, sh, *hs, *ls]
+    for a, b in zip(torch.autograd.grad(got, inputs, cotangents), torch.autograd.grad(ref, inputs, cotangents)):
+        torch.testing.assert_close(a, b, atol=1e-11, rtol=0)
+
+
+@pytest.mark.parametrize("case", TP_CASES)
+def test_fused_second_derivatives_equal_the_plain_formulation(case, fused, float64_default):
+    """Forces-style: a differentiable first derivative, then the gradient of a function of it (every input,
+    the output gradient too), against plain autograd of the plain formulation."""
+    tp, x, sh, hs, ls, index = _case(case, num=11, nodes=5)
+    inputs = [x, sh, *hs, *ls]
+    results = []
+    for run in (lambda: tp.forward_factored(x, sh, hs, ls, index=index, chunk_size=4),
+                lambda: tp._forward_plain(x, sh, hs, ls, index, tp.constant("cg", torch.float64))):
+        outs = run()
+        cot = [torch.linspace(-1, 1, o.numel(), dtype=torch.float64).reshape(o.shape).requires_grad_() for o in outs]
+        first = torch.autograd.grad(outs, inputs, cot, create_graph=True)
+        scalar = sum((g * g.detach().sin()).sum() for g in first if g.requires_grad)
+        results.append(torch.autograd.grad(scalar, inputs + cot, allow_unused=True, materialize_grads=True))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-12)
+
+
+def test_fused_gradcheck_and_gradgradcheck(fused, float64_default):
+    tp, x, sh, hs, ls, index = _case(TP_CASES[3], num=5, nodes=3)
+
+    def f(x, sh, h, w):
+        return tp.forward_factored(x, sh, [h], [w], index=index, chunk_size=2)[0]
+
+    args = (x, sh, hs[0], ls[0])
+    assert torch.autograd.gradcheck(f, args)
+    assert torch.autograd.gradgradcheck(f, args)
+
+
+def _op_args(case=TP_CASES[1], nodes=5, num=11):
+    tp, x, sh, hs, ls, index = _case(case, num=num, nodes=nodes)
+    hidden = torch.cat(hs, dim=1).detach().requires_grad_()
+    linear = torch.cat([w.reshape(-1) for w in ls]).detach().requires_grad_()
+    return tp, (x, index, sh, hidden, linear, [h.shape[1] for h in hs])
+
+
+@pytest.mark.parametrize("nodes", [None, 5])
+def test_fused_operators_pass_opcheck(nodes):
+    # schema, fake implementation, autograd registration (double backward included) and AOT dispatch
+    tp, (x, index, sh, hidden, linear, sizes) = _op_args(nodes=nodes)
+    torch.library.opcheck(ops.fused_product, (tp._spec, 4, x, index, sh, hidden, linear, sizes))
+    grad = torch.randn(sh.shape[0], sum(o.dim for o in tp.irreps_outs), dtype=torch.float64, requires_grad=True)
+    for needs in ([True] * 4, [False, True, True, False], [True, False, False, True]):
+        torch.library.opcheck(ops.fused_product_backward,
+                              (tp._spec, 4, x, index, sh, hidden, linear, sizes, grad, needs))
+
+
+def test_fused_results_are_bitwise_repeatable():
+    tp, (x, index, sh, hidden, linear, sizes) = _op_args(TP_CASES[0], nodes=40, num=300)
+    args = (tp._spec, 8, *[t.detach().float() if t is not None and t.is_floating_point() else t
+                           for t in (x, index, sh, hidden, linear)], sizes)
+    grad = torch.randn(300, sum(o.dim for o in tp.irreps_outs))
+    first = [ops.fused_product(*args), *ops.fused_product_backward(*args, grad, [True] * 4)]
+    again = [ops.fused_product(*args), *ops.fused_product_backward(*args, grad, [True] * 4)]
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+
+
+def test_fused_empty_and_single_edge(fused, float64_default):
+    tp = SphericalTensorProduct(*TP_CASES[0][:1], o3.Irreps.spherical_harmonics(TP_CASES[0][1]), TP_CASES[0][2])
+    for num in (0, 1):
+        x, sh, hs, ls = _inputs(tp, num, nodes=3)
+        index = torch.zeros(num, dtype=torch.long)
+        outs = tp.forward_factored(x, sh, hs, ls, index=index)
+        ref = tp._forward_plain(x, sh, hs, ls, index, tp.constant("cg", torch.float64))
+        for a, b in zip(outs, ref):
+            assert a.shape == b.shape == (num, b.shape[1])
+            torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+        inputs = [x, sh, *hs, *ls]
+        got = torch.autograd.grad([o.sum() for o in outs], inputs)
+        for a, b in zip(got, torch.autograd.grad([o.sum() for o in ref], inputs)):
+            torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def test_layer_forces_training_with_fused_kernels_equals_default(float64_default):
+    """A force-training step (second derivative in positions) gives the same gradients either way."""
+    torch.manual_seed(0)
+    layer = EquivariantAttention("4x0e + 2x1o", "3x0e + 1x1o", "3x0e + 1x1o", "2x0e + 2x1o", max_radius=1.5)
+    pos = torch.randn(12, 3)
+    f = layer.irreps_input.randn(12, -1)
+
+    def step():
+        p = pos.clone().requires_grad_()
+        energy = layer(f, p)[:, :2].sum()
+        forces = -torch.autograd.grad(energy, p, create_graph=True)[0]
+        loss = energy ** 2 + forces.pow(2).sum()
+        return torch.autograd.grad(loss, list(layer.parameters()))
+
+    default = step()
+    kernels.set_fused_kernels(True)
+    try:
+        with_kernels = step()
+    finally:
+        kernels.set_fused_kernels(False)
+    for a, b in zip(with_kernels, default):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+def test_fused_switch_and_where_it_applies():
+    assert not kernels.fused_enabled(torch.device("cpu"), torch.float32)  # off by default
+    with pytest.raises(ValueError, match="enabled must be a bool"):
+        kernels.set_fused_kernels(1)
+    kernels.set_fused_kernels(True)
+    try:
+        assert kernels.fused_enabled(torch.device("cpu"), torch.float64)
+        assert not kernels.fused_enabled(torch.device("cpu"), torch.bfloat16)
+        assert not kernels.fused_enabled(torch.device("meta"), torch.float32)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert not kernels.fused_enabled(torch.device("cpu"), torch.float32)
+    finally:
+        kernels.set_fused_kernels(False)
