@@ -2,8 +2,9 @@ r"""The attention layer against the e3nn guide's formulation: time, peak memory,
 
 Both compute the same layer on the same graph with the same number of weights:
 
-* ``e3attn``: :class:`e3attn.attention.EquivariantAttention` (fused key/value tensor product
-  with the radial network's last layer folded in, chunked, hand-written backward);
+* ``e3attn``: :class:`e3attn.attention.EquivariantAttention` (key/value tensor product with the
+  radial network's last layer folded in, on the fused kernels of :mod:`e3attn.kernels`);
+* ``plain`` (with ``--plain``): the same layer with its tensor product as plain tensor operations;
 * ``baseline``: the e3nn guide's formulation (seed document 003), written below from e3nn's
   ``o3.Linear``, ``o3.FullyConnectedTensorProduct`` (``shared_weights=False``, keys and values
   separately), ``nn.FullyConnectedNet([basis, 16, weight_numel])`` per tensor product, the
@@ -40,7 +41,8 @@ Usage::
     python benchmarks/layer.py                          # both configurations at 1e3 and 1e4 nodes
     python benchmarks/layer.py --device cpu --threads 1
     python benchmarks/layer.py --quick                  # tiny sizes, a smoke test
-    python benchmarks/layer.py --forces --fused         # + force-training step, + the fused kernels
+    python benchmarks/layer.py --forces --plain         # + force-training step, + e3attn without fused kernels
+    python benchmarks/layer.py --busy 1 --threads 2     # e3attn beside a busy process it starts and stops
 """
 from __future__ import annotations
 
@@ -48,7 +50,9 @@ import argparse
 import json
 import os
 import platform
+import contextlib
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -154,19 +158,19 @@ def _head_channels(irreps: o3.Irreps, num_heads: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------- measurement
 
 
-class FusedKernels(torch.nn.Module):
-    """``layer`` with its tensor product on the fused kernels (:mod:`e3attn.kernels`, opt-in)."""
+class PlainFormulation(torch.nn.Module):
+    """``layer`` with its tensor product as plain tensor operations (the fused kernels switched off)."""
 
     def __init__(self, layer: torch.nn.Module) -> None:
         super().__init__()
         self.layer = layer
 
     def forward(self, *args):
-        kernels.set_fused_kernels(True)  # the operators record their own backward: no switch needed there
+        previous = kernels.set_fused_kernels(False)  # autograd records the backward: no switch needed there
         try:
             return self.layer(*args)
         finally:
-            kernels.set_fused_kernels(False)
+            kernels.set_fused_kernels(previous)
 
 
 def _calls(model: torch.nn.Module, f: torch.Tensor, pos: torch.Tensor, edge_index: torch.Tensor):
@@ -223,7 +227,7 @@ def build(config: str, n: int, degree: float, device: torch.device, seed: int):
     f = torch.randn(n, layer.irreps_input.dim, generator=gen)
     layer, baseline = layer.to(device), baseline.to(device)
     pos, f, edge_index = pos.to(device).requires_grad_(), f.to(device).requires_grad_(), edge_index.to(device)
-    return {"baseline": baseline, "e3attn": layer, "fused": FusedKernels(layer)}, f, pos, edge_index
+    return {"baseline": baseline, "e3attn": layer, "plain": PlainFormulation(layer)}, f, pos, edge_index
 
 
 def weight_counts(models: Dict[str, torch.nn.Module]) -> Dict[str, int]:
@@ -241,7 +245,7 @@ def max_rel_diff(models: Dict[str, torch.nn.Module], f, pos, edge_index) -> floa
 def run_case(config: str, n: int, args: argparse.Namespace, device: torch.device,
              previous: Optional[dict]) -> List[dict]:
     """Rows of both methods for one (configuration, number of nodes)."""
-    methods = METHODS + (("fused",) if args.fused else ())
+    methods = METHODS + (("plain",) if args.plain else ())
     models, f, pos, edge_index = build(config, n, args.degree, device, args.seed)
     edges = edge_index.shape[1]
     base = {"config": config, "nodes": n, "edges": edges, "mean_degree": edges / n, "weights": weight_counts(models)}
@@ -296,6 +300,55 @@ def _too_big(previous: Optional[dict], edges: int, args: argparse.Namespace) -> 
     return None
 
 
+# ----------------------------------------------------------------------------- on a busy machine
+
+# a busy-loop process that ends by itself after the given number of seconds
+_SPIN = "import sys, time\nend = time.time() + float(sys.argv[1])\nwhile time.time() < end:\n    pass\n"
+
+
+@contextlib.contextmanager
+def busy_processes(count: int, seconds: float):
+    """``count`` processes each keeping one core busy, stopped on exit (and ending by themselves after
+    ``seconds`` in any case)."""
+    procs = [subprocess.Popen([sys.executable, "-c", _SPIN, str(seconds)]) for _ in range(count)]
+    try:
+        time.sleep(0.5)  # let them start spinning
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def busy_comparison(args: argparse.Namespace, device: torch.device) -> List[dict]:
+    """e3attn's forward+backward quiet on 1 thread, quiet on ``--threads`` and beside ``--busy`` busy
+    processes on ``--threads``, the three taking turns; per case the ratios to the quiet 1-thread time."""
+    threads = args.threads or os.cpu_count() or 1
+    rows = []
+    for config in args.configs:
+        for n in sorted(args.sizes or DEFAULTS[config]["sizes"]):
+            models, f, pos, edge_index = build(config, n, args.degree, device, args.seed)
+            call = _calls(models["e3attn"], f, pos, edge_index)["fwdbwd"]
+            settings = {"quiet_1": (1, 0), f"quiet_{threads}": (threads, 0), f"busy_{threads}": (threads, args.busy)}
+            samples: Dict[str, List[float]] = {name: [] for name in settings}
+            for _ in range(args.repeats or DEFAULTS[config]["repeats"]):
+                for name, (count, busy) in settings.items():
+                    torch.set_num_threads(count)
+                    with busy_processes(busy, args.max_seconds) if busy else contextlib.nullcontext():
+                        call()  # warm-up (a changed thread count, the busy cores)
+                        start = time.perf_counter()
+                        call()
+                        samples[name].append(time.perf_counter() - start)
+            row = {"config": config, "nodes": n, "edges": edge_index.shape[1], "busy_processes": args.busy}
+            row.update({f"{name}_ms": 1e3 * statistics.median(times) for name, times in samples.items()})
+            quiet = row["quiet_1_ms"]
+            row.update({f"{name}_vs_quiet_1": row[f"{name}_ms"] / quiet for name in settings if name != "quiet_1"})
+            print("  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
+            rows.append(row)
+    torch.set_num_threads(threads)
+    return rows
+
+
 # ----------------------------------------------------------------------------- reporting
 
 
@@ -335,14 +388,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny sizes and 2 repeats: a smoke test")
     p.add_argument("--forces", action="store_true",
                    help="also time a force-training step (forces by create_graph, loss on energy and forces)")
-    p.add_argument("--fused", action="store_true",
-                   help="also time e3attn on the fused kernels (e3attn.kernels, opt-in; needs numba)")
+    p.add_argument("--busy", type=int, default=0, metavar="K",
+                   help="instead of the comparison with the baseline: e3attn quiet (1 and --threads threads) and "
+                        "beside K busy processes that this script starts and stops (medians)")
+    p.add_argument("--plain", action="store_true",
+                   help="also time e3attn with its tensor product as plain tensor operations (no fused kernels)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "layer.json")
     args = p.parse_args(argv)
     if args.quick:
         args.sizes, args.repeats = [16, 32], 1
     if min(args.sizes or [1]) < 1 or (args.repeats is not None and args.repeats < 1):
         p.error("--sizes and --repeats must be positive")
+    if args.busy < 0 or args.busy > (os.cpu_count() or 1):
+        p.error(f"--busy must be between 0 and the number of cores ({os.cpu_count()})")
     return args
 
 
@@ -376,6 +434,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     args = parse_args(argv)
     device, meta = setup(args)
     meta.update(dtype="float32", memory_method=memory_method(device, args.memory))
+    if args.busy:
+        report = {"meta": meta, "busy": busy_comparison(args, device)}
+        write(report, args.out)
+        return report
     print(f"peak memory: {meta['memory_method']}")
     print(HEADER)
     rows: List[dict] = []

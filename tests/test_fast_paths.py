@@ -10,7 +10,7 @@ from e3nn import o3
 from e3attn.attention import EquivariantAttention
 from e3attn.heads import head_index, scale_heads
 from e3attn.spherical_harmonics import SphericalHarmonics
-from e3attn import tensor_product
+from e3attn import kernels, tensor_product
 from e3attn.tensor_product import SphericalTensorProduct
 from reference import brute_force_edges, e3nn_guide_attention
 
@@ -43,10 +43,13 @@ def _inputs(tp, num, nodes=None, hidden=5, seed=0):
     return x, sh, hs, ls
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("gathered", [False, True])
 @pytest.mark.parametrize("chunk_size", [1, 5, None])
 @pytest.mark.parametrize("irreps_in, lmax, outs", TP_CASES)
-def test_factored_product_equals_e3nn(irreps_in, lmax, outs, chunk_size, gathered, float64_default):
+def test_factored_product_equals_e3nn(irreps_in, lmax, outs, chunk_size, gathered, fused, float64_default):
+    """The fused kernels (tiles of ``chunk_size``) and the plain formulation equal e3nn."""
+    previous = kernels.set_fused_kernels(fused)
     tp = SphericalTensorProduct(irreps_in, o3.Irreps.spherical_harmonics(lmax), outs)
     num = 13
     x, sh, hs, ls = _inputs(tp, num, nodes=6 if gathered else None)
@@ -59,12 +62,7 @@ def test_factored_product_equals_e3nn(irreps_in, lmax, outs, chunk_size, gathere
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
     for a, b in zip(torch.autograd.grad(got, inputs, cotangents), torch.autograd.grad(ref, inputs, cotangents)):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
-
-
-def test_factored_product_large_products_one_component_at_a_time(monkeypatch, float64_default):
-    """Products above ``_PRODUCT_FLOATS`` are summed one component m at a time: the same result."""
-    monkeypatch.setattr(tensor_product, "_PRODUCT_FLOATS", 0)
-    test_factored_product_equals_e3nn(*TP_CASES[1], chunk_size=4, gathered=True, float64_default=None)
+    kernels.set_fused_kernels(previous)
 
 
 def test_factored_product_empty_and_single_sample(float64_default):
@@ -81,18 +79,6 @@ def test_factored_product_empty_and_single_sample(float64_default):
         assert all(torch.isfinite(g).all() for g in grads)
         if num == 0:
             assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
-
-
-def test_default_chunk_size_per_device():
-    """CPU chunks stay cache-sized; GPU chunks are far larger (fewer kernel launches), both at least 256 samples."""
-    tp = SphericalTensorProduct("10x0e + 5x1o", o3.Irreps.spherical_harmonics(3), ["12x0e + 3x1o", "14x0e + 6x1o"])
-    cpu, gpu = tp.default_chunk_size(), tp.default_chunk_size(torch.device("cuda"))
-    assert cpu == tp.default_chunk_size("cpu")
-    per_sample = sum(tp.weight_numel)  # the weights alone: a chunk's temporaries are at least this per sample
-    assert 256 <= cpu and cpu * per_sample * 4 <= 4 * 4 * 2**20 * 1.01
-    assert gpu >= 100 * cpu
-    tiny = SphericalTensorProduct("1x0e", o3.Irreps.spherical_harmonics(0), ["1x0e"])
-    assert tiny.default_chunk_size() >= 256 and tiny.default_chunk_size("cuda") >= 256
 
 
 def test_factored_product_is_twice_differentiable(float64_default):
@@ -204,6 +190,19 @@ def test_layer_benchmark_smoke(tmp_path):
         if row["method"] == "e3attn":
             assert row["speedup"] > 0
     assert math.isfinite(report["meta"]["threads"])
+
+
+def test_layer_benchmark_forces_plain_and_busy_smoke(tmp_path):
+    spec = importlib.util.spec_from_file_location("benchmark_layer", ROOT / "benchmarks" / "layer.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    common = ["--quick", "--configs", "guide", "--sizes", "16", "--memory", "none", "--out", str(tmp_path / "l.json")]
+    rows = bench.main([*common, "--threads", "1", "--forces", "--plain"])["results"]
+    assert [r["method"] for r in rows] == ["baseline", "e3attn", "plain"]
+    assert all(r["force_ms"] > 0 for r in rows) and all(r["speedup_force"] > 0 for r in rows[1:])
+    (busy,) = bench.main([*common, "--threads", "2", "--busy", "1", "--max-seconds", "30"])["busy"]
+    assert busy["busy_processes"] == 1 and busy["busy_2_ms"] > 0 and busy["busy_2_vs_quiet_1"] > 0
+    assert torch.get_num_threads() == 2  # put back as set
 
 
 def _small_layer():
@@ -345,22 +344,6 @@ def test_cached_constant_follows_a_replaced_buffer():
     first = tp.constant("cg", torch.float32)
     tp._buffers["cg"] = tp.cg * 2  # e.g. torch.func.functional_call or a DataParallel replica
     torch.testing.assert_close(tp.constant("cg", torch.float32), 2 * first, atol=0, rtol=0)
-
-
-@pytest.mark.parametrize("gathered", [False, True])
-@pytest.mark.parametrize("chunk_size", [0, 4])
-def test_factored_operators_pass_opcheck(gathered, chunk_size):
-    # schema, fake (meta) implementation, autograd registration and AOT dispatch of the custom operators
-    tp = SphericalTensorProduct(*TP_CASES[1][:1], o3.Irreps.spherical_harmonics(TP_CASES[1][1]), TP_CASES[1][2])
-    x, sh, hs, ls = _inputs(tp, 11, nodes=5 if gathered else None)
-    index = torch.randint(0, 5, (11,), generator=torch.Generator().manual_seed(2)) if gathered else None
-    cg = tp.constant("cg", torch.float64)
-    torch.library.opcheck(tensor_product._factored_product, (tp._spec, chunk_size, index, x, sh, cg, [*hs, *ls]))
-    grads = [torch.randn(11, out.dim, dtype=torch.float64) for out in tp.irreps_outs]
-    for inputs_needed in (False, True):
-        args = (tp._spec, chunk_size, index, x.detach(), sh.detach(), cg, [t.detach() for t in (*hs, *ls)], grads,
-                inputs_needed)
-        torch.library.opcheck(tensor_product._factored_product_backward, args)
 
 
 def test_factored_operators_find_their_structure_from_the_irreps():

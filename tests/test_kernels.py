@@ -15,12 +15,12 @@ pytest.importorskip("numba")
 
 @pytest.fixture
 def fused(monkeypatch):
-    """Run a test with the fused kernels switched on; yields the list of their forward calls."""
+    """Yields the list of the fused kernels' forward calls (by product) during a test."""
     calls, original = [], ops.fused_product
     monkeypatch.setattr(ops, "fused_product", lambda *args: calls.append(args[0]) or original(*args))
-    kernels.set_fused_kernels(True)
+    previous = kernels.set_fused_kernels(True)
     yield calls
-    kernels.set_fused_kernels(False)
+    kernels.set_fused_kernels(previous)
 
 
 def _case(case, num=13, nodes=6, seed=0):
@@ -31,20 +31,13 @@ def _case(case, num=13, nodes=6, seed=0):
     return tp, x, sh, hs, ls, index
 
 
-@pytest.mark.parametrize("tile", [1, 5, None])
-@pytest.mark.parametrize("gathered", [False, True])
-@pytest.mark.parametrize("case", TP_CASES)
-def test_fused_product_equals_e3nn(case, gathered, tile, fused, float64_default):
-    tp, x, sh, hs, ls, index = _case(case, nodes=6 if gathered else None)
-    got = tp.forward_factored(x, sh, hs, ls, index=index, chunk_size=tile)
-    assert fused == [tp._spec]  # the kernels ran
-    ref = _e3nn_products(tp, x[index] if gathered else x, sh, [h @ w for h, w in zip(hs, ls)])
-    for a, b in zip(got, ref):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
-    cotangents = [torch.randn_like(r) for r in ref]
-    inputs = [x, sh, *hs, *ls]
-    for a, b in zip(torch.autograd.grad(got, inputs, cotangents), torch.autograd.grad(ref, inputs, cotangents)):
-        torch.testing.assert_close(a, b, atol=1e-11, rtol=0)
+def test_forward_factored_runs_the_kernels_by_default(fused, float64_default):
+    tp, x, sh, hs, ls, index = _case(TP_CASES[0])
+    tp.forward_factored(x, sh, hs, ls, index=index)
+    assert fused == [tp._spec]
+    kernels.set_fused_kernels(False)
+    tp.forward_factored(x, sh, hs, ls, index=index)  # the plain formulation
+    assert fused == [tp._spec]
 
 
 @pytest.mark.parametrize("case", TP_CASES)
@@ -121,7 +114,7 @@ def test_fused_empty_and_single_edge(fused, float64_default):
             torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
 
 
-def test_layer_forces_training_with_fused_kernels_equals_default(float64_default):
+def test_layer_forces_training_with_fused_kernels_equals_plain(float64_default):
     """A force-training step (second derivative in positions) gives the same gradients either way."""
     torch.manual_seed(0)
     layer = EquivariantAttention("4x0e + 2x1o", "3x0e + 1x1o", "3x0e + 1x1o", "2x0e + 2x1o", max_radius=1.5)
@@ -135,20 +128,22 @@ def test_layer_forces_training_with_fused_kernels_equals_default(float64_default
         loss = energy ** 2 + forces.pow(2).sum()
         return torch.autograd.grad(loss, list(layer.parameters()))
 
-    default = step()
-    kernels.set_fused_kernels(True)
+    with_kernels = step()
+    previous = kernels.set_fused_kernels(False)
     try:
-        with_kernels = step()
+        plain = step()
     finally:
-        kernels.set_fused_kernels(False)
-    for a, b in zip(with_kernels, default):
+        kernels.set_fused_kernels(previous)
+    for a, b in zip(with_kernels, plain):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
 
 
 def test_fused_switch_and_where_it_applies():
-    assert not kernels.fused_enabled(torch.device("cpu"), torch.float32)  # off by default
+    assert kernels.fused_enabled(torch.device("cpu"), torch.float32)  # on by default
     with pytest.raises(ValueError, match="enabled must be a bool"):
         kernels.set_fused_kernels(1)
+    assert kernels.set_fused_kernels(False) is True
+    assert not kernels.fused_enabled(torch.device("cpu"), torch.float64)
     kernels.set_fused_kernels(True)
     try:
         assert kernels.fused_enabled(torch.device("cpu"), torch.float64)
@@ -157,4 +152,40 @@ def test_fused_switch_and_where_it_applies():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert not kernels.fused_enabled(torch.device("cpu"), torch.float32)
     finally:
-        kernels.set_fused_kernels(False)
+        kernels.set_fused_kernels(True)
+
+
+def test_kernels_leave_torch_thread_count_alone():
+    """numba's OpenMP launch must not change the number of threads of torch's own operations."""
+    tp, (x, index, sh, hidden, linear, sizes) = _op_args()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        ops.fused_product(tp._spec, 4, x.detach(), index, sh.detach(), hidden.detach(), linear.detach(), sizes)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("directions", [(True, True, True, True), (False, True, True, False), (True, False, False, True)])
+def test_fused_backward_backward_operator(directions):
+    """The one-pass backward of the backward passes opcheck and equals the composed path (calls of the forward
+    and backward operators with one argument replaced, used when it must itself be differentiable)."""
+    tp, (x, index, sh, hidden, linear, sizes) = _op_args(nodes=5)
+    grad = torch.randn(sh.shape[0], sum(o.dim for o in tp.irreps_outs), dtype=torch.float64, requires_grad=True)
+    gen = torch.Generator().manual_seed(3)
+    vs = [torch.randn(t.shape, generator=gen, dtype=torch.float64) if given else None
+          for t, given in zip((x, sh, hidden, linear), directions)]
+    needs = [True] * 5
+    args = (tp._spec, 4, x.detach(), index, sh.detach(), hidden.detach(), linear.detach(), sizes, grad.detach())
+    torch.library.opcheck(ops.fused_product_backward_backward, (*args, *vs, needs))
+    fused = ops.fused_product_backward_backward(*args, *vs, needs)
+
+    inputs = [x, sh, hidden, linear, grad]
+    first = ops.fused_product_backward(tp._spec, 4, x, index, sh, hidden, linear, sizes, grad, [True] * 4)
+    pairs = [(g, v) for g, v in zip(first, vs) if v is not None]
+    composed = torch.autograd.grad([g for g, _ in pairs], inputs, [v for _, v in pairs], create_graph=True,
+                                   materialize_grads=True)
+    reorder = [composed[4], *composed[:4]]  # grad first, as the operator returns them
+    for a, b in zip(fused, reorder):
+        torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-11)

@@ -19,8 +19,9 @@ from typing import Dict, NamedTuple, Tuple
 
 import numpy as np
 import torch
+from e3nn import o3
 
-__all__ = ["KernelLayout", "kernel_layout", "layout_for"]
+__all__ = ["KernelLayout", "kernel_layout", "layout_for", "output_dim"]
 
 # columns of ``KernelLayout.blocks``
 BLOCK_FIELDS = ("output", "path_offset", "k", "dim_l", "width", "weight_offset", "channel_offset")
@@ -104,6 +105,14 @@ def kernel_layout(tp) -> KernelLayout:
 
 
 _LAYOUTS: Dict[str, KernelLayout] = {}
+
+
+def output_dim(spec: str) -> int:
+    """The summed dimension of the outputs of the product named by ``spec``, from the irreps alone (no tensors:
+    safe while ``torch.compile`` traces with fake tensors)."""
+    from ..tensor_product import _SEPARATOR
+
+    return sum(o3.Irreps(irreps).dim for irreps in spec.split(_SEPARATOR)[2:])
 
 
 def layout_for(spec: str) -> KernelLayout:

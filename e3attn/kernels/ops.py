@@ -22,49 +22,105 @@ stays on the fused kernels.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+import concurrent.futures
+from typing import Callable, List, Optional, Tuple
 
-import numba
 import numpy as np
 import torch
 
 from . import cpu
-from .layout import layout_for
+from .layout import layout_for, output_dim
 
-__all__ = ["fused_product", "fused_product_backward"]
-
-_INPUTS = ("x", "sh", "hidden", "linear")
-
+__all__ = ["fused_product", "fused_product_backward", "fused_product_backward_backward"]
 
 def _offsets(sizes) -> np.ndarray:
     return np.cumsum([0, *sizes[:-1]]).astype(np.int64)
 
 
-def _cpu_arguments(spec: str, x, index, sh, hidden, linear, hidden_sizes: List[int]):
-    """The arguments shared by both CPU kernels, as contiguous NumPy arrays."""
-    layout = layout_for(spec)
+def _array(t: Optional[torch.Tensor]) -> np.ndarray:
+    """A contiguous NumPy view of ``t`` (an empty one for None)."""
+    return np.empty(0, np.int64) if t is None else t.detach().contiguous().numpy()
+
+
+def _structure(layout, hidden_sizes: List[int], dtype: np.dtype) -> tuple:
+    """The ``structure`` tuple of the CPU kernels (:mod:`e3attn.kernels.cpu`)."""
     hidden_sizes = np.asarray(hidden_sizes, dtype=np.int64)
     numel = np.asarray(layout.weight_numel, dtype=np.int64)
-    if index is None:
-        index = torch.arange(sh.shape[0])
     widths, dims = layout.blocks[:, 4], layout.blocks[:, 3]
     return (
-        x.detach().contiguous().numpy(), index.contiguous().numpy(), sh.detach().contiguous().numpy(),
-        hidden.detach().contiguous().numpy(), linear.detach().contiguous().numpy(),
-    ), (
-        layout.path_x, layout.path_y, layout.path_p, layout.path_c.astype(x.numpy().dtype), layout.num_paths,
+        layout.path_x, layout.path_y, layout.path_p, layout.path_c.astype(dtype), layout.num_paths,
         layout.blocks, layout.channels, _offsets(hidden_sizes), hidden_sizes, _offsets(hidden_sizes * numel), numel,
         int((widths * layout.blocks[:, 2]).max(initial=1)), int(widths.max(initial=1)), int(dims.max(initial=1)),
     )
 
 
-def _threads() -> None:
-    """Run the kernels on as many threads as PyTorch's operations."""
-    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+def _cpu_arguments(spec: str, tile: int, x, index, sh, hidden, linear, hidden_sizes: List[int]):
+    """The arguments shared by the CPU kernels: the data as NumPy arrays, the structure, the tile."""
+    layout = layout_for(spec)
+    data = tuple(_array(t) for t in (x, index if index is not None else torch.arange(sh.shape[0]), sh, hidden,
+                                      linear))
+    return data, _structure(layout, hidden_sizes, data[0].dtype), _tile(tile, layout, sh.dtype)
 
 
-def _tile(tile: int) -> int:
-    return tile if tile > 0 else 64  # measured best of 8-64 on the guide configuration
+def _gradient_buffers(x, sh, hidden, linear, need_inputs: bool, need_hidden: bool, need_linear: bool):
+    """Uninitialised outputs of the backward kernels: per-edge gradients of the gathered ``x``, of ``sh``,
+    ``hidden``, and one gradient of ``linear`` per group of tiles (empty where not needed)."""
+    num = sh.shape[0]
+    return (x.new_empty(num if need_inputs else 0, x.shape[1]), sh.new_empty(num if need_inputs else 0, sh.shape[1]),
+            hidden.new_empty(num if need_hidden else 0, hidden.shape[1]),
+            linear.new_empty(cpu.GROUPS, linear.shape[0] if need_linear else 0))
+
+
+def _gradients(x, index, needs, gx_edges, gsh, ghidden, glin_groups):
+    """The four gradients from the kernels' buffers (empty where not in ``needs``)."""
+    need_x, need_sh, need_hidden, need_linear = needs
+    empty = x.new_empty(0)
+    if not need_x:
+        gx = empty
+    elif index is None:
+        gx = gx_edges
+    else:
+        gx = torch.zeros_like(x).index_add_(0, index, gx_edges)
+    return (gx, gsh if need_sh else empty.clone(), ghidden if need_hidden else empty.clone(),
+            glin_groups.sum(0) if need_linear else empty.clone())
+
+
+_POOL: List = [0, None]  # threads, executor
+
+
+def _parallel(task: Callable[[int], None], groups: int) -> None:
+    """``task(g)`` for every group ``g``, on as many threads as torch's operations use.
+
+    The kernels release the GIL, so plain threads run them in parallel; idle threads take the next
+    group, which keeps a busy core from holding the others up.
+    """
+    threads = min(torch.get_num_threads(), groups)
+    if threads <= 1:
+        for group in range(groups):
+            task(group)
+        return
+    if _POOL[0] != threads:
+        if _POOL[1] is not None:
+            _POOL[1].shutdown()
+        _POOL[:] = [threads, concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="e3attn-kernels")]
+    for future in [_POOL[1].submit(task, group) for group in range(groups)]:
+        future.result()
+
+
+def _forward_groups(num: int, tile: int) -> int:
+    """Groups of tiles of the forward: a few per thread (no reduction: any split gives the same result)."""
+    return max(1, min((num + tile - 1) // tile, 4 * torch.get_num_threads()))
+
+
+def _tile(tile: int, layout, dtype: torch.dtype) -> int:
+    """``tile``, or by default the power of two (64 to 128) whose widest block weights take about 1 MiB.
+
+    Measured on the guide (blocks of up to 330 weights: 128 best) and the large configuration (7,168: 64)."""
+    if tile > 0:
+        return tile
+    widest = int((layout.blocks[:, 2] * layout.blocks[:, 4]).max(initial=1))
+    fit = (1 << 20) // (widest * torch.finfo(dtype).bits // 8)
+    return 1 << max(6, min(7, fit.bit_length() - 1))
 
 
 def _check_device(sh: torch.Tensor) -> None:
@@ -77,17 +133,16 @@ def fused_product(spec: str, tile: int, x: torch.Tensor, index: Optional[torch.T
                   hidden: torch.Tensor, linear: torch.Tensor, hidden_sizes: List[int]) -> torch.Tensor:
     """:math:`F`: every output of the product named by ``spec``, concatenated ``[E, out_dim]``."""
     _check_device(sh)
-    layout = layout_for(spec)
-    out = sh.new_empty(sh.shape[0], layout.out_dim)
-    data, structure = _cpu_arguments(spec, x, index, sh, hidden, linear, hidden_sizes)
-    _threads()
-    cpu.forward(*data, *structure, _tile(tile), out.numpy())
+    out = sh.new_empty(sh.shape[0], output_dim(spec))
+    data, structure, tile = _cpu_arguments(spec, tile, x, index, sh, hidden, linear, hidden_sizes)
+    groups, array = _forward_groups(sh.shape[0], tile), out.numpy()
+    _parallel(lambda group: cpu.forward(*data, structure, tile, group, groups, array), groups)
     return out
 
 
 @fused_product.register_fake
 def _(spec, tile, x, index, sh, hidden, linear, hidden_sizes):
-    return sh.new_empty(sh.shape[0], layout_for(spec).out_dim)
+    return sh.new_empty(sh.shape[0], output_dim(spec))
 
 
 @torch.library.custom_op("e3attn::fused_product_backward", mutates_args=())
@@ -96,31 +151,48 @@ def fused_product_backward(spec: str, tile: int, x: torch.Tensor, index: Optiona
                            needs: List[bool]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:math:`B`: the gradients of ``x``, ``sh``, ``hidden`` and ``linear`` flagged in ``needs`` (others empty)."""
     _check_device(sh)
-    need_x, need_sh, need_hidden, need_linear = needs
-    need_inputs = need_x or need_sh
-    data, structure = _cpu_arguments(spec, x, index, sh, hidden, linear, hidden_sizes)
-    num = sh.shape[0]
-    gx_edges = x.new_empty(num if need_inputs else 0, x.shape[1])
-    gsh = sh.new_empty(num if need_inputs else 0, sh.shape[1])
-    ghidden = hidden.new_empty(num if need_hidden else 0, hidden.shape[1])
-    glin_groups = linear.new_empty(cpu.GROUPS, linear.shape[0] if need_linear else 0)
-    _threads()
-    cpu.backward(*data, grad.detach().contiguous().numpy(), *structure, _tile(tile), need_inputs, need_hidden,
-                 need_linear, gx_edges.numpy(), gsh.numpy(), ghidden.numpy(), glin_groups.numpy())
-    empty = x.new_empty(0)
-    if not need_x:
-        gx = empty
-    elif index is None:
-        gx = gx_edges
-    else:
-        gx = torch.zeros_like(x).index_add_(0, index, gx_edges)
-    glin = glin_groups.sum(0) if need_linear else empty.clone()
-    return gx, (gsh if need_sh else empty.clone()), ghidden if need_hidden else empty.clone(), glin
+    need_inputs = needs[0] or needs[1]
+    data, structure, tile = _cpu_arguments(spec, tile, x, index, sh, hidden, linear, hidden_sizes)
+    buffers = _gradient_buffers(x, sh, hidden, linear, need_inputs, needs[2], needs[3])
+    arrays = [t.numpy() for t in buffers]
+    _parallel(lambda group: cpu.backward(*data, _array(grad), structure, tile, need_inputs, needs[2], needs[3],
+                                         *arrays, group), cpu.GROUPS)
+    return _gradients(x, index, needs, *buffers)
 
 
 @fused_product_backward.register_fake
 def _(spec, tile, x, index, sh, hidden, linear, hidden_sizes, grad, needs):
     return tuple(t.new_empty(t.shape) if need else t.new_empty(0) for t, need in zip((x, sh, hidden, linear), needs))
+
+
+@torch.library.custom_op("e3attn::fused_product_backward_backward", mutates_args=())
+def fused_product_backward_backward(
+    spec: str, tile: int, x: torch.Tensor, index: Optional[torch.Tensor], sh: torch.Tensor, hidden: torch.Tensor,
+    linear: torch.Tensor, hidden_sizes: List[int], grad: torch.Tensor, vx: Optional[torch.Tensor],
+    vsh: Optional[torch.Tensor], vhidden: Optional[torch.Tensor], vlinear: Optional[torch.Tensor], needs: List[bool],
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of :math:`\sum_a \langle v_a, B_a \rangle` with respect to ``grad``, ``x``, ``sh``,
+    ``hidden`` and ``linear`` flagged in ``needs`` (others empty), in one pass; None directions are zero.
+
+    Not differentiable itself: a third derivative takes :func:`_backward_backward`'s composed path."""
+    _check_device(sh)
+    need_grad, need_x, need_sh, need_hidden, need_linear = needs
+    need_inputs = need_x or need_sh
+    data, structure, tile = _cpu_arguments(spec, tile, x, index, sh, hidden, linear, hidden_sizes)
+    ggrad = grad.new_empty(grad.shape[0] if need_grad else 0, grad.shape[1])
+    buffers = _gradient_buffers(x, sh, hidden, linear, need_inputs, need_hidden, need_linear)
+    directions = [_array(v) if v is not None else np.empty((0, 0), data[0].dtype) for v in (vx, vsh, vhidden)]
+    arrays = [ggrad.numpy(), *(t.numpy() for t in buffers)]
+    vlin = _array(vlinear) if vlinear is not None else np.empty(0, data[0].dtype)
+    _parallel(lambda group: cpu.backward_backward(*data, _array(grad), *directions, vlin, structure, tile, need_grad,
+                                                  need_inputs, need_hidden, need_linear, *arrays, group), cpu.GROUPS)
+    return (ggrad, *_gradients(x, index, needs[1:], *buffers))
+
+
+@fused_product_backward_backward.register_fake
+def _(spec, tile, x, index, sh, hidden, linear, hidden_sizes, grad, vx, vsh, vhidden, vlinear, needs):
+    return tuple(t.new_empty(t.shape) if need else t.new_empty(0)
+                 for t, need in zip((grad, x, sh, hidden, linear), needs))
 
 
 # ---------------------------------------------------------------------- autograd
@@ -152,16 +224,25 @@ def _save_backward(ctx, inputs, output) -> None:
 
 
 def _backward_backward(ctx, *vs: torch.Tensor):
-    """Gradients of :math:`\\sum_a \\langle v_a, B_a \\rangle` by the multilinearity of :math:`F` (module docstring)."""
+    """Gradients of :math:`\\sum_a \\langle v_a, B_a \\rangle` by the multilinearity of :math:`F` (module docstring):
+    one fused pass, or, when this must itself be differentiable (``create_graph``), calls of :math:`F` and
+    :math:`B` with one argument replaced."""
     spec, tile, hidden_sizes = ctx.meta
     x, index, sh, hidden, linear, grad = ctx.saved_tensors
     args = [x, sh, hidden, linear]
     wanted = [ctx.needs_input_grad[i] for i in (2, 4, 5, 6)]
     want_grad = ctx.needs_input_grad[8]
+    vs = [v if v is not None and computed else None for v, computed in zip(vs, ctx.needs)]
+    if not torch.is_grad_enabled():
+        needs = [want_grad, *wanted]
+        found = fused_product_backward_backward(spec, tile, x, index, sh, hidden, linear, hidden_sizes, grad, *vs,
+                                                needs)
+        g_grad, gx, gsh, gh, gl = (g if need else None for g, need in zip(found, needs))
+        return None, None, gx, None, gsh, gh, gl, None, g_grad, None
     found: List[Optional[torch.Tensor]] = [None] * 4
     g_grad = None
-    for a, (v, computed) in enumerate(zip(vs, ctx.needs)):
-        if v is None or not computed:
+    for a, v in enumerate(vs):
+        if v is None:
             continue
         replaced = args[:a] + [v] + args[a + 1 :]
         if want_grad:
