@@ -196,7 +196,7 @@ def test_layer_benchmark_forces_plain_and_busy_smoke(tmp_path):
     spec = importlib.util.spec_from_file_location("benchmark_layer", ROOT / "benchmarks" / "layer.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    common = ["--quick", "--configs", "guide", "--sizes", "16", "--memory", "none", "--out", str(tmp_path / "l.json")]
+    common = ["--configs", "guide", "--sizes", "16", "--repeats", "1", "--memory", "none", "--out", str(tmp_path / "l.json")]
     rows = bench.main([*common, "--threads", "1", "--forces", "--plain"])["results"]
     assert [r["method"] for r in rows] == ["baseline", "e3attn", "plain"]
     assert all(r["force_ms"] > 0 for r in rows) and all(r["speedup_force"] > 0 for r in rows[1:])
