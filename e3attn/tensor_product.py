@@ -196,7 +196,7 @@ class SphericalTensorProduct(Float64ConstantsModule):
         and ``e3attn::fused_product_backward``, which ``torch.compile`` keeps
         in its graph. Elsewhere (other devices and dtypes, autocast, ``torch.func``
         transforms, or after :func:`e3attn.kernels.set_fused_kernels` ``(False)``)
-        it runs the plain formulation, :meth:`forward` of :math:`h^{(t)} L^{(t)}`.
+        it runs the plain formulation, ``forward`` of :math:`h^{(t)} L^{(t)}`.
 
         Args:
             x: ``[E, irreps_in.dim]``, or ``[N, irreps_in.dim]`` with ``index``.

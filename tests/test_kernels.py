@@ -88,14 +88,22 @@ def test_fused_operators_pass_opcheck(nodes):
 
 
 def test_fused_results_are_bitwise_repeatable():
+    """Run to run and for any number of threads: the weight gradient is summed per fixed group of tiles."""
     tp, (x, index, sh, hidden, linear, sizes) = _op_args(TP_CASES[0], nodes=40, num=300)
     args = (tp._spec, 8, *[t.detach().float() if t is not None and t.is_floating_point() else t
                            for t in (x, index, sh, hidden, linear)], sizes)
     grad = torch.randn(300, sum(o.dim for o in tp.irreps_outs))
-    first = [ops.fused_product(*args), *ops.fused_product_backward(*args, grad, [True] * 4)]
-    again = [ops.fused_product(*args), *ops.fused_product_backward(*args, grad, [True] * 4)]
-    for a, b in zip(first, again):
-        assert torch.equal(a, b)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 2):
+            torch.set_num_threads(threads)
+            results.append([ops.fused_product(*args), *ops.fused_product_backward(*args, grad, [True] * 4)])
+    finally:
+        torch.set_num_threads(before)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
 
 
 def test_fused_empty_and_single_edge(fused, float64_default):

@@ -198,6 +198,29 @@ def _grad_block(grad, channels, e0, n, coff, dim_l, width, gz):
                 gz[m, w, e] = grad[e0 + e, channels[coff + w] + m]
 
 
+@numba.njit(**_JIT)
+def _tile_inputs(x, index, sh, hidden, s, e0, n, xt, sht, ht, y):
+    """A tile's inputs, edges last (``x`` gathered by ``index``), and its path features ``y``."""
+    _load(x, index, e0, n, xt)
+    _load(sh, index[:0], e0, n, sht)
+    _load(hidden, index[:0], e0, n, ht)
+    y[:, :n] = 0.0
+    _paths(n, xt, sht, s, y)
+
+
+@numba.njit(**_JIT)
+def _buffers(x, sh, hidden, s, tile):
+    """A backward's tile buffers: the inputs ``xt, sht, ht``, ``y``, ``gy``, the weights and their
+    gradient ``wt, gwt`` ``[K W, tile]``, the output gradient ``gz``, and the gradients ``ght, gxt, gsht``."""
+    num_paths, max_block, max_width, max_dim_l = s[4], s[11], s[12], s[13]
+    features = (np.zeros((x.shape[1], tile), x.dtype), np.zeros((sh.shape[1], tile), x.dtype),
+                np.zeros((hidden.shape[1], tile), x.dtype))
+    return (*features, np.empty((num_paths, tile), x.dtype), np.empty((num_paths, tile), x.dtype),
+            np.empty((max_block, tile), x.dtype), np.empty((max_block, tile), x.dtype),
+            np.empty((max_dim_l, max_width, tile), x.dtype), np.empty((hidden.shape[1], tile), x.dtype),
+            np.empty((x.shape[1], tile), x.dtype), np.empty((sh.shape[1], tile), x.dtype))
+
+
 # ------------------------------------------------------------------ kernels
 
 
@@ -223,11 +246,7 @@ def _forward_tile(x, index, sh, hidden, lin, s, tile, ti, out, xt, sht, ht, y, w
     channels = s[6]
     e0 = ti * tile
     n = min(tile, sh.shape[0] - e0)
-    y[:, :n] = 0.0
-    _load(x, index, e0, n, xt)
-    _load(sh, index[:0], e0, n, sht)
-    _load(hidden, index[:0], e0, n, ht)
-    _paths(n, xt, sht, s, y)
+    _tile_inputs(x, index, sh, hidden, s, e0, n, xt, sht, ht, y)
     for b in range(s[5].shape[0]):
         poff, kdim, dim_l, width, coff, hoff, hdim, base, numel = _block(s, b)
         wt[: kdim * width, :n] = 0.0
@@ -245,32 +264,18 @@ def backward(x, index, sh, hidden, lin, grad, s, tile, need_inputs, need_hidden,
              gx_edges, gsh, ghidden, glin_groups, gi):
     """Group ``gi`` of the tiles: the gradients from ``grad`` ``[E, out_dim]`` of the gathered ``x`` per
     edge, of ``sh`` and ``hidden`` (written, where needed), and of ``lin`` (into ``glin_groups[gi]``)."""
-    num_paths, channels, max_block, max_width, max_dim_l = s[4], s[6], s[11], s[12], s[13]
+    channels = s[6]
     num = sh.shape[0]
     tiles = (num + tile - 1) // tile
     groups = glin_groups.shape[0]
     zero = np.zeros(1, x.dtype)[0]  # accumulators in the dtype of the data
     glin = glin_groups[gi]
     glin[:] = 0.0
-    xt = np.empty((x.shape[1], tile), x.dtype)
-    sht = np.empty((sh.shape[1], tile), x.dtype)
-    ht = np.empty((hidden.shape[1], tile), x.dtype)
-    y = np.empty((num_paths, tile), x.dtype)
-    gy = np.empty((num_paths, tile), x.dtype)
-    wt = np.empty((max_block, tile), x.dtype)
-    gwt = np.empty((max_block, tile), x.dtype)
-    gz = np.empty((max_dim_l, max_width, tile), x.dtype)
-    ght = np.empty((hidden.shape[1], tile), x.dtype)
-    gxt = np.empty((x.shape[1], tile), x.dtype)
-    gsht = np.empty((sh.shape[1], tile), x.dtype)
+    xt, sht, ht, y, gy, wt, gwt, gz, ght, gxt, gsht = _buffers(x, sh, hidden, s, tile)
     for ti in range(gi * tiles // groups, (gi + 1) * tiles // groups):
         e0 = ti * tile
         n = min(tile, num - e0)
-        _load(x, index, e0, n, xt)
-        _load(sh, index[:0], e0, n, sht)
-        _load(hidden, index[:0], e0, n, ht)
-        y[:, :n] = 0.0
-        _paths(n, xt, sht, s, y)
+        _tile_inputs(x, index, sh, hidden, s, e0, n, xt, sht, ht, y)
         gy[:, :n] = 0.0
         ght[:, :n] = 0.0
         for b in range(s[5].shape[0]):
@@ -315,7 +320,7 @@ def backward_backward(x, index, sh, hidden, lin, grad, vx, vsh, vhidden, vlin, s
     :math:`\partial_L = h^T (g \otimes y') + v_h^T (g \otimes y)`. Outputs as in :func:`backward`, and
     ``ggrad`` ``[E, out_dim]``.
     """
-    num_paths, channels, max_block, max_width, max_dim_l = s[4], s[6], s[11], s[12], s[13]
+    channels = s[6]
     num = sh.shape[0]
     tiles = (num + tile - 1) // tile
     groups = glin_groups.shape[0]
@@ -324,38 +329,18 @@ def backward_backward(x, index, sh, hidden, lin, grad, vx, vsh, vhidden, vlin, s
     has_yd, has_wd = has_vx or has_vsh, has_vh or has_vlin
     glin = glin_groups[gi]
     glin[:] = 0.0
-    xt = np.zeros((x.shape[1], tile), x.dtype)
-    sht = np.zeros((sh.shape[1], tile), x.dtype)
-    ht = np.zeros((hidden.shape[1], tile), x.dtype)
-    vxt = np.zeros((x.shape[1], tile), x.dtype)
-    vsht = np.zeros((sh.shape[1], tile), x.dtype)
-    vht = np.zeros((hidden.shape[1], tile), x.dtype)
-    y = np.empty((num_paths, tile), x.dtype)
-    yd = np.empty((num_paths, tile), x.dtype)
-    gy = np.empty((num_paths, tile), x.dtype)
-    gyd = np.empty((num_paths, tile), x.dtype)
-    wt = np.empty((max_block, tile), x.dtype)
-    wd = np.empty((max_block, tile), x.dtype)
-    gwt = np.empty((max_block, tile), x.dtype)
-    gz = np.empty((max_dim_l, max_width, tile), x.dtype)
-    z = np.empty((max_dim_l, max_width, tile), x.dtype)
-    ght = np.empty((hidden.shape[1], tile), x.dtype)
-    gxt = np.empty((x.shape[1], tile), x.dtype)
-    gsht = np.empty((sh.shape[1], tile), x.dtype)
+    xt, sht, ht, y, gy, wt, gwt, gz, ght, gxt, gsht = _buffers(x, sh, hidden, s, tile)
+    vxt, vsht, vht, yd, gyd, wd, _, z, _, _, _ = _buffers(x, sh, hidden, s, tile)  # directions: zero when absent
     for ti in range(gi * tiles // groups, (gi + 1) * tiles // groups):
         e0 = ti * tile
         n = min(tile, num - e0)
-        _load(x, index, e0, n, xt)
-        _load(sh, index[:0], e0, n, sht)
-        _load(hidden, index[:0], e0, n, ht)
+        _tile_inputs(x, index, sh, hidden, s, e0, n, xt, sht, ht, y)
         if has_vx:
             _load(vx, index, e0, n, vxt)
         if has_vsh:
             _load(vsh, index[:0], e0, n, vsht)
         if has_vh:
             _load(vhidden, index[:0], e0, n, vht)
-        y[:, :n] = 0.0
-        _paths(n, xt, sht, s, y)
         yd[:, :n] = 0.0
         if has_vx:
             _paths(n, vxt, sht, s, yd)

@@ -1,14 +1,15 @@
-r"""The fused tensor product as two PyTorch custom operators, differentiable to any order.
+r"""The fused tensor product as PyTorch custom operators, differentiable to any order.
 
 ``e3attn::fused_product`` computes :math:`z = F(x, Y, h, L)` (every output of a
-:class:`~e3attn.tensor_product.SphericalTensorProduct`, concatenated) and
+:class:`~e3attn.tensor_product.SphericalTensorProduct`, concatenated),
 ``e3attn::fused_product_backward`` its four gradients :math:`B = (B_x, B_Y, B_h, B_L)` for an output
-gradient :math:`g`. Both take the product's irreps as a string (its structure comes from
+gradient :math:`g`, and ``e3attn::fused_product_backward_backward`` the backward of that. They take
+the product's irreps as a string (its structure comes from
 :func:`~e3attn.kernels.layout.layout_for`), the hidden features of all outputs side by side
 ``[E, sum_t h_t]`` and the last layers flattened and concatenated.
 
-:math:`F` is linear in each of :math:`x, Y, h, L` separately, so the second derivative needs no
-kernel of its own. For the gradients :math:`v_a` arriving at :math:`B_a(g; x, Y, h, L)`:
+:math:`F` is linear in each of :math:`x, Y, h, L` separately. For the gradients :math:`v_a` arriving
+at :math:`B_a(g; x, Y, h, L)`:
 
 .. math::
 
@@ -16,9 +17,10 @@ kernel of its own. For the gradients :math:`v_a` arriving at :math:`B_a(g; x, Y,
     \qquad
     \frac{\partial}{\partial b} \sum_a \langle v_a, B_a \rangle = \sum_{a \ne b} B_b(g; \ldots, a \to v_a, \ldots)
 
-(the directional derivative of :math:`\langle g, F \rangle` along :math:`v`), so the backward of the
-backward calls the same two operators again, with one argument replaced, and every derivative
-stays on the fused kernels.
+(the directional derivative of :math:`\langle g, F \rangle` along :math:`v`). The backward of the
+backward computes this in one fused pass; when it must itself be differentiable (a third
+derivative), it calls :math:`F` and :math:`B` with one argument replaced instead, so every
+derivative stays on the fused kernels.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from . import cpu
 from .layout import layout_for, output_dim
 
 __all__ = ["fused_product", "fused_product_backward", "fused_product_backward_backward"]
+
 
 def _offsets(sizes) -> np.ndarray:
     return np.cumsum([0, *sizes[:-1]]).astype(np.int64)
