@@ -197,3 +197,15 @@ def test_fused_backward_backward_operator(directions):
     reorder = [composed[4], *composed[:4]]  # grad first, as the operator returns them
     for a, b in zip(fused, reorder):
         torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-11)
+
+
+def test_kernels_from_several_python_threads_at_once():
+    """Concurrent calls (e.g. a threaded server) give the results of sequential calls."""
+    import concurrent.futures
+
+    tp, (x, index, sh, hidden, linear, sizes) = _op_args(TP_CASES[0], nodes=30, num=200)
+    args = (tp._spec, 8, x.detach(), index, sh.detach(), hidden.detach(), linear.detach(), sizes)
+    expected = ops.fused_product(*args)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: ops.fused_product(*args), range(8)))
+    assert all(torch.equal(r, expected) for r in results)

@@ -25,7 +25,8 @@ derivative stays on the fused kernels.
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Callable, List, Optional, Tuple
+import threading
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -88,25 +89,26 @@ def _gradients(x, index, needs, gx_edges, gsh, ghidden, glin_groups):
             glin_groups.sum(0) if need_linear else empty.clone())
 
 
-_POOL: List = [0, None]  # threads, executor
+_POOLS: Dict[int, concurrent.futures.ThreadPoolExecutor] = {}  # by number of threads
+_POOLS_LOCK = threading.Lock()
 
 
 def _parallel(task: Callable[[int], None], groups: int) -> None:
     """``task(g)`` for every group ``g``, on as many threads as torch's operations use.
 
     The kernels release the GIL, so plain threads run them in parallel; idle threads take the next
-    group, which keeps a busy core from holding the others up.
+    group, which keeps a busy core from holding the others up. Safe to call from several threads.
     """
     threads = min(torch.get_num_threads(), groups)
     if threads <= 1:
         for group in range(groups):
             task(group)
         return
-    if _POOL[0] != threads:
-        if _POOL[1] is not None:
-            _POOL[1].shutdown()
-        _POOL[:] = [threads, concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="e3attn-kernels")]
-    for future in [_POOL[1].submit(task, group) for group in range(groups)]:
+    with _POOLS_LOCK:
+        pool = _POOLS.get(threads)
+        if pool is None:
+            pool = _POOLS[threads] = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="e3attn")
+    for future in [pool.submit(task, group) for group in range(groups)]:
         future.result()
 
 
