@@ -209,3 +209,22 @@ def test_kernels_from_several_python_threads_at_once():
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda _: ops.fused_product(*args), range(8)))
     assert all(torch.equal(r, expected) for r in results)
+
+
+def test_fused_operators_refuse_out_of_range_arguments():
+    tp, (x, index, sh, hidden, linear, sizes) = _op_args(nodes=5)
+    args = [tp._spec, 4, x.detach(), index, sh.detach(), hidden.detach(), linear.detach(), sizes]
+    with pytest.raises(IndexError, match=r"index must be in \[0, 5\)"):
+        ops.fused_product(*args[:3], index + 5, *args[4:])
+    with pytest.raises(IndexError, match="index must be in"):
+        ops.fused_product(*args[:3], index - 1, *args[4:])
+    with pytest.raises(ValueError, match="hidden must have shape"):
+        ops.fused_product(*args[:5], hidden.detach()[:-1], *args[6:])
+    with pytest.raises(ValueError, match="linear must have shape"):
+        ops.fused_product(*args[:6], linear.detach()[:-1], sizes)
+    with pytest.raises(ValueError, match="too few columns"):
+        ops.fused_product(*args[:4], sh.detach()[:, :2], *args[5:])
+    # through the public method, too
+    with pytest.raises(IndexError, match="index must be in"):
+        tp.forward_factored(x, sh, list(hidden.split(sizes, 1)), [w.view(h, -1) for h, w in
+                            zip(sizes, linear.split([h * n for h, n in zip(sizes, tp.weight_numel)]))], index=index + 5)

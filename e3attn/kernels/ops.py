@@ -61,9 +61,32 @@ def _structure(layout, hidden_sizes: List[int], dtype: np.dtype) -> tuple:
 def _cpu_arguments(spec: str, tile: int, x, index, sh, hidden, linear, hidden_sizes: List[int]):
     """The arguments shared by the CPU kernels: the data as NumPy arrays, the structure, the tile."""
     layout = layout_for(spec)
+    _check_arguments(layout, x, index, sh, hidden, linear, hidden_sizes)
     data = tuple(_array(t) for t in (x, index if index is not None else torch.arange(sh.shape[0]), sh, hidden,
                                       linear))
     return data, _structure(layout, hidden_sizes, data[0].dtype), _tile(tile, layout, sh.dtype)
+
+
+def _check_arguments(layout, x, index, sh, hidden, linear, hidden_sizes: List[int]) -> None:
+    """The kernels index without bounds checks: refuse anything that would make them read out of range."""
+    num = sh.shape[0]
+    if hidden.dim() != 2 or hidden.shape[0] != num or hidden.shape[1] != sum(hidden_sizes):
+        raise ValueError(f"hidden must have shape [{num}, {sum(hidden_sizes)}], got {list(hidden.shape)}")
+    expected = sum(h * n for h, n in zip(hidden_sizes, layout.weight_numel))
+    if linear.dim() != 1 or linear.shape[0] != expected or len(hidden_sizes) != len(layout.weight_numel):
+        raise ValueError(f"linear must have shape [{expected}] (hidden_sizes {list(hidden_sizes)}), got "
+                         f"{list(linear.shape)}")
+    if x.dim() != 2 or sh.dim() != 2 or (index is None and x.shape[0] != num):
+        raise ValueError(f"x and sh must be 2-d with one row per edge (or an index), got {list(x.shape)}, "
+                         f"{list(sh.shape)}")
+    if x.shape[1] <= int(layout.path_x.max(initial=-1)) or sh.shape[1] <= int(layout.path_y.max(initial=-1)):
+        raise ValueError(f"x and sh have too few columns for this product: {list(x.shape)}, {list(sh.shape)}")
+    if index is not None:
+        if index.shape != (num,):
+            raise ValueError(f"index must have shape [{num}], got {list(index.shape)}")
+        if num and (int(index.min()) < 0 or int(index.max()) >= x.shape[0]):
+            raise IndexError(f"index must be in [0, {x.shape[0]}) (the rows of x), got values in "
+                             f"[{int(index.min())}, {int(index.max())}]")
 
 
 def _gradient_buffers(x, sh, hidden, linear, need_inputs: bool, need_hidden: bool, need_linear: bool):
