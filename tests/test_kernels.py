@@ -228,3 +228,18 @@ def test_fused_operators_refuse_out_of_range_arguments():
     with pytest.raises(IndexError, match="index must be in"):
         tp.forward_factored(x, sh, list(hidden.split(sizes, 1)), [w.view(h, -1) for h, w in
                             zip(sizes, linear.split([h * n for h, n in zip(sizes, tp.weight_numel)]))], index=index + 5)
+
+
+@pytest.mark.slow
+def test_cold_start_benchmark_smoke(tmp_path):
+    """benchmarks/cold_start.py: a process with an empty numba cache compiles, a second one loads the cache."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cold_start.py"
+    spec = importlib.util.spec_from_file_location("benchmark_cold_start", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cold, warm = bench.main(["--dtypes", "float32", "--out", str(tmp_path / "c.json")])
+    assert (cold["start"], warm["start"]) == ("cold", "warm")
+    assert cold["startup_s"] > warm["startup_s"] > 0  # compiling costs more than loading the cache
