@@ -175,7 +175,8 @@ def test_kernels_leave_torch_thread_count_alone():
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("directions", [(True, True, True, True), (False, True, True, False), (True, False, False, True)])
+@pytest.mark.parametrize("directions", [(True, True, True, True), (False, True, True, False),
+                                        (True, False, False, True)])
 def test_fused_backward_backward_operator(directions):
     """The one-pass backward of the backward passes opcheck and equals the composed path (calls of the forward
     and backward operators with one argument replaced, used when it must itself be differentiable)."""

@@ -1,4 +1,7 @@
-r"""Fused kernels for :meth:`SphericalTensorProduct.forward_factored <e3attn.tensor_product.SphericalTensorProduct.forward_factored>`.
+r"""Fused kernels for the tensor product with folded radial weights.
+
+They compute
+:meth:`SphericalTensorProduct.forward_factored <e3attn.tensor_product.SphericalTensorProduct.forward_factored>`.
 
 One compiled pass over the edges per direction, forces included: the second derivative reuses the
 same two kernels through the multilinearity of the product (see :mod:`e3attn.kernels.ops`).
@@ -9,8 +12,9 @@ same two kernels through the multilinearity of the product (see :mod:`e3attn.ker
 * :mod:`e3attn.kernels.ops`: the custom operators ``e3attn::fused_product`` and
   ``e3attn::fused_product_backward``.
 
-:meth:`~e3attn.tensor_product.SphericalTensorProduct.forward_factored` runs them wherever they exist (CPU tensors in float32 and float64, outside
-autocast and ``torch.func`` transforms); :func:`fused_enabled` is the one place that decides.
+:meth:`~e3attn.tensor_product.SphericalTensorProduct.forward_factored` runs them wherever they exist
+(CPU tensors in float32 and float64, outside autocast and ``torch.func`` transforms);
+:func:`fused_enabled` is the one place that decides.
 Everything else runs the plain formulation, which :func:`set_fused_kernels` ``(False)`` (or the
 environment variable ``E3ATTN_FUSED_KERNELS=0``) selects everywhere, e.g. to compare the two.
 

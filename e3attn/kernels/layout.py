@@ -1,4 +1,4 @@
-r"""The flat integer and float arrays that describe a :class:`~e3attn.tensor_product.SphericalTensorProduct` to a kernel.
+r"""The flat arrays that describe a :class:`~e3attn.tensor_product.SphericalTensorProduct` to a kernel.
 
 A fused kernel sees the product as two sparse steps per edge :math:`e`:
 
