@@ -1,7 +1,15 @@
-import pytest
+import os
+
 import torch
 
-from e3attn.testing import _default_dtype
+# Without CUDA, Triton's interpreter runs the Triton kernels on CPU tensors (tests/test_triton.py). It must be
+# chosen before triton is first imported: triton.language's own helpers are decorated at import.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from e3attn.testing import _default_dtype  # noqa: E402
 
 
 @pytest.fixture

@@ -28,6 +28,8 @@ Example::
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 from typing import List, Optional, Sequence
 
@@ -57,9 +59,16 @@ def fused_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     On the CPU, in float32 and float64, neither under autocast nor inside a ``torch.func``
     transform, unless switched off with :func:`set_fused_kernels`.
     """
-    if not _ENABLED or dtype not in _DTYPES or device.type != "cpu":
+    if not _ENABLED or dtype not in _DTYPES or device.type not in ("cpu", "cuda"):
+        return False
+    if device.type == "cuda" and not _has_triton():
         return False
     return not (torch.is_autocast_enabled(device.type) or torch._C._are_functorch_transforms_active())
+
+
+@functools.lru_cache(maxsize=None)
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def fused_factored_product(spec: str, out_dims: Sequence[int], x: torch.Tensor, sh: torch.Tensor,

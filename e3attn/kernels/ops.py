@@ -151,16 +151,36 @@ def _tile(tile: int, layout, dtype: torch.dtype) -> int:
     return 1 << max(6, min(7, fit.bit_length() - 1))
 
 
-def _check_device(sh: torch.Tensor) -> None:
-    if sh.device.type != "cpu":
+# which kernels run CPU tensors: "numba", or "triton" (the Triton kernels under ``TRITON_INTERPRET=1``, for tests)
+_CPU_KERNELS = "numba"
+
+
+def _on_numba(sh: torch.Tensor) -> bool:
+    """Whether the numba kernels (True) or the Triton kernels (False) run tensors on the device of ``sh``."""
+    if sh.device.type == "cpu":
+        return _CPU_KERNELS == "numba"
+    if sh.device.type != "cuda":
         raise NotImplementedError(f"no fused tensor product kernel for device {sh.device.type!r}")
+    return False
+
+
+def _triton_arguments(spec: str, x, index, sh, hidden, linear, hidden_sizes: List[int]):
+    """The layout and the contiguous tensors for :mod:`e3attn.kernels.gpu`."""
+    from . import gpu  # imports triton: only where it runs
+
+    layout = layout_for(spec)
+    _check_arguments(layout, x, index, sh, hidden, linear, hidden_sizes)
+    tensors = (t.contiguous() if t is not None else None for t in (x, index, sh, hidden, linear))
+    return gpu, (layout, *tensors, hidden_sizes)
 
 
 @torch.library.custom_op("e3attn::fused_product", mutates_args=())
 def fused_product(spec: str, tile: int, x: torch.Tensor, index: Optional[torch.Tensor], sh: torch.Tensor,
                   hidden: torch.Tensor, linear: torch.Tensor, hidden_sizes: List[int]) -> torch.Tensor:
     """:math:`F`: every output of the product named by ``spec``, concatenated ``[E, out_dim]``."""
-    _check_device(sh)
+    if not _on_numba(sh):
+        gpu, arguments = _triton_arguments(spec, x, index, sh, hidden, linear, hidden_sizes)
+        return gpu.forward(*arguments)
     out = sh.new_empty(sh.shape[0], output_dim(spec))
     data, structure, tile = _cpu_arguments(spec, tile, x, index, sh, hidden, linear, hidden_sizes)
     groups, array = _forward_groups(sh.shape[0], tile), out.numpy()
@@ -178,8 +198,11 @@ def fused_product_backward(spec: str, tile: int, x: torch.Tensor, index: Optiona
                            hidden: torch.Tensor, linear: torch.Tensor, hidden_sizes: List[int], grad: torch.Tensor,
                            needs: List[bool]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:math:`B`: the gradients of ``x``, ``sh``, ``hidden`` and ``linear`` flagged in ``needs`` (others empty)."""
-    _check_device(sh)
     need_inputs = needs[0] or needs[1]
+    if not _on_numba(sh):
+        gpu, arguments = _triton_arguments(spec, x, index, sh, hidden, linear, hidden_sizes)
+        gx, gsh, ghidden, glinear = gpu.backward(*arguments, grad.contiguous(), need_inputs, needs[2], needs[3])
+        return _gradients(x, index, needs, gx, gsh, ghidden, glinear[None])
     data, structure, tile = _cpu_arguments(spec, tile, x, index, sh, hidden, linear, hidden_sizes)
     buffers = _gradient_buffers(x, sh, hidden, linear, need_inputs, needs[2], needs[3])
     arrays = [t.numpy() for t in buffers]
@@ -199,11 +222,13 @@ def fused_product_backward_backward(
     linear: torch.Tensor, hidden_sizes: List[int], grad: torch.Tensor, vx: Optional[torch.Tensor],
     vsh: Optional[torch.Tensor], vhidden: Optional[torch.Tensor], vlinear: Optional[torch.Tensor], needs: List[bool],
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of :math:`\sum_a \langle v_a, B_a \rangle` with respect to ``grad``, ``x``, ``sh``,
+    r"""The gradients of :math:`\sum_a \langle v_a, B_a \rangle` with respect to ``grad``, ``x``, ``sh``,
     ``hidden`` and ``linear`` flagged in ``needs`` (others empty), in one pass; None directions are zero.
 
+    CPU tensors only (on CUDA, the backward of the backward is composed from :math:`F` and :math:`B`).
     Not differentiable itself: a third derivative takes :func:`_backward_backward`'s composed path."""
-    _check_device(sh)
+    if not _on_numba(sh):
+        raise NotImplementedError("fused_product_backward_backward runs the numba kernels (CPU tensors) only")
     need_grad, need_x, need_sh, need_hidden, need_linear = needs
     need_inputs = need_x or need_sh
     data, structure, tile = _cpu_arguments(spec, tile, x, index, sh, hidden, linear, hidden_sizes)
@@ -253,15 +278,15 @@ def _save_backward(ctx, inputs, output) -> None:
 
 def _backward_backward(ctx, *vs: torch.Tensor):
     """Gradients of :math:`\\sum_a \\langle v_a, B_a \\rangle` by the multilinearity of :math:`F` (module docstring):
-    one fused pass, or, when this must itself be differentiable (``create_graph``), calls of :math:`F` and
-    :math:`B` with one argument replaced."""
+    one fused pass (numba), or, when this must itself be differentiable (``create_graph``) or runs on CUDA,
+    calls of :math:`F` and :math:`B` with one argument replaced."""
     spec, tile, hidden_sizes = ctx.meta
     x, index, sh, hidden, linear, grad = ctx.saved_tensors
     args = [x, sh, hidden, linear]
     wanted = [ctx.needs_input_grad[i] for i in (2, 4, 5, 6)]
     want_grad = ctx.needs_input_grad[8]
     vs = [v if v is not None and computed else None for v, computed in zip(vs, ctx.needs)]
-    if not torch.is_grad_enabled():
+    if not torch.is_grad_enabled() and _on_numba(sh):
         needs = [want_grad, *wanted]
         found = fused_product_backward_backward(spec, tile, x, index, sh, hidden, linear, hidden_sizes, grad, *vs,
                                                 needs)
