@@ -42,6 +42,7 @@ Usage::
     python benchmarks/layer.py --device cpu --threads 1
     python benchmarks/layer.py --quick                  # tiny sizes, a smoke test
     python benchmarks/layer.py --forces --plain         # + force-training step, + e3attn without fused kernels
+    python benchmarks/layer.py --device cuda --forces --plain --cuda-kernels  # e3attn on the Triton kernels
     python benchmarks/layer.py --busy 1 --threads 2     # e3attn beside a busy process it starts and stops
 """
 from __future__ import annotations
@@ -393,8 +394,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "beside K busy processes that this script starts and stops (medians)")
     p.add_argument("--plain", action="store_true",
                    help="also time e3attn with its tensor product as plain tensor operations (no fused kernels)")
+    p.add_argument("--cuda-kernels", action="store_true",
+                   help="e3attn on CUDA runs the Triton kernels (e3attn.kernels.set_cuda_kernels; off by default)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "layer.json")
     args = p.parse_args(argv)
+    kernels.set_cuda_kernels(args.cuda_kernels)
     if args.quick:
         args.sizes, args.repeats = [16, 32], 1
     if min(args.sizes or [1]) < 1 or (args.repeats is not None and args.repeats < 1):
@@ -433,7 +437,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     """Run every case, print the table, write the JSON."""
     args = parse_args(argv)
     device, meta = setup(args)
-    meta.update(dtype="float32", memory_method=memory_method(device, args.memory))
+    meta.update(dtype="float32", memory_method=memory_method(device, args.memory), cuda_kernels=args.cuda_kernels)
     if args.busy:
         report = {"meta": meta, "busy": busy_comparison(args, device)}
         write(report, args.out)

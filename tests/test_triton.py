@@ -26,7 +26,9 @@ gpu = importlib.import_module("e3attn.kernels.gpu")  # interpreted without CUDA 
 def device(monkeypatch):
     """The device whose tensors the operators send to the Triton kernels."""
     if CUDA:
+        previous = kernels.set_cuda_kernels(True)
         yield torch.device("cuda")
+        kernels.set_cuda_kernels(previous)
     else:
         monkeypatch.setattr(ops, "_CPU_KERNELS", "triton")
         yield torch.device("cpu")
@@ -37,11 +39,11 @@ def _on(device, tensors):
             else (t.to(device) if t is not None else None) for t in tensors]
 
 
-@pytest.mark.parametrize("nodes", [None, 5])
-@pytest.mark.parametrize("case", TP_CASES)
-def test_triton_forward_and_backward_equal_the_plain_formulation(case, nodes, device, float64_default):
-    """Several tiles (37 edges), gathered or not; every gradient, against plain autograd in float64."""
-    tp, x, sh, hs, ls, index = _case(case, num=37, nodes=nodes or 0)
+@pytest.mark.parametrize("case, nodes, num", [(case, nodes, 37) for case in TP_CASES for nodes in (None, 5)]
+                         + [(TP_CASES[0], 40, 300)])
+def test_triton_forward_and_backward_equal_the_plain_formulation(case, nodes, num, device, float64_default):
+    """Gathered or not, one tile or several (300 edges); every gradient, against plain autograd in float64."""
+    tp, x, sh, hs, ls, index = _case(case, num=num, nodes=nodes or 0)
     inputs = [x, sh, *hs, *ls]
     ref = tp._forward_plain(x, sh, hs, ls, index, tp.constant("cg", torch.float64))
     cot = [torch.randn(o.shape, dtype=torch.float64) for o in ref]
@@ -61,8 +63,22 @@ def test_triton_kernels_run_when_enabled(device, float64_default, monkeypatch):
     tp, *args = _op_args()
     ops.fused_product(tp._spec, 0, *_on(device, args[0][:5]), args[0][5])
     assert len(calls) == 1
-    if CUDA:
-        assert kernels.fused_enabled(torch.device("cuda"), torch.float32)
+
+
+def test_cuda_kernels_are_opt_in():
+    cuda = torch.device("cuda")
+    assert not kernels.fused_enabled(cuda, torch.float32)  # off by default
+    previous = kernels.set_cuda_kernels(True)
+    try:
+        assert kernels.fused_enabled(cuda, torch.float32) and kernels.fused_enabled(cuda, torch.float64)
+        assert not kernels.fused_enabled(cuda, torch.bfloat16)
+        kernels.set_fused_kernels(False)  # the switch for every device
+        assert not kernels.fused_enabled(cuda, torch.float32)
+    finally:
+        kernels.set_fused_kernels(True)
+        kernels.set_cuda_kernels(previous)
+    with pytest.raises(ValueError, match="enabled must be a bool"):
+        kernels.set_cuda_kernels("yes")
 
 
 def test_triton_second_derivatives_equal_the_plain_formulation(device, float64_default):
@@ -138,5 +154,11 @@ def test_layer_force_step_on_cuda_equals_cpu(float64_default):
         loss = energy ** 2 + forces.pow(2).sum()
         return [g.cpu() for g in torch.autograd.grad(loss, list(model.parameters()))]
 
-    for a, b in zip(step("cuda"), step("cpu")):
-        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    previous = kernels.set_cuda_kernels(True)
+    try:
+        on_kernels = step("cuda")
+    finally:
+        kernels.set_cuda_kernels(previous)
+    for a, b, c in zip(on_kernels, step("cuda"), step("cpu")):  # Triton, plain on CUDA, numba
+        torch.testing.assert_close(a, c, atol=1e-10, rtol=1e-10)
+        torch.testing.assert_close(b, c, atol=1e-10, rtol=1e-10)

@@ -4,17 +4,19 @@ They compute
 :meth:`SphericalTensorProduct.forward_factored <e3attn.tensor_product.SphericalTensorProduct.forward_factored>`.
 
 One compiled pass over the edges per direction, forces included: the second derivative reuses the
-same two kernels through the multilinearity of the product (see :mod:`e3attn.kernels.ops`).
+same kernels through the multilinearity of the product (see :mod:`e3attn.kernels.ops`).
 
 * :mod:`e3attn.kernels.layout`: the product's structure as flat arrays;
 * :mod:`e3attn.kernels.cpu`: numba kernels (CPU, float32 and float64), compiled on first use (once
   per dtype, about 20 s) and cached on disk;
-* :mod:`e3attn.kernels.ops`: the custom operators ``e3attn::fused_product`` and
-  ``e3attn::fused_product_backward``.
+* :mod:`e3attn.kernels.gpu`: Triton kernels (CUDA, float32 and float64), compiled by Triton on first
+  use; opt-in with :func:`set_cuda_kernels` while their backward is slower than the plain formulation's;
+* :mod:`e3attn.kernels.ops`: the custom operators ``e3attn::fused_product``,
+  ``e3attn::fused_product_backward`` and ``e3attn::fused_product_backward_backward``.
 
-:meth:`~e3attn.tensor_product.SphericalTensorProduct.forward_factored` runs them wherever they exist
-(CPU tensors in float32 and float64, outside autocast and ``torch.func`` transforms);
-:func:`fused_enabled` is the one place that decides.
+:meth:`~e3attn.tensor_product.SphericalTensorProduct.forward_factored` runs them wherever they are
+enabled (CPU tensors, and CUDA tensors after :func:`set_cuda_kernels`, in float32 and float64, outside
+autocast and ``torch.func`` transforms); :func:`fused_enabled` is the one place that decides.
 Everything else runs the plain formulation, which :func:`set_fused_kernels` ``(False)`` (or the
 environment variable ``E3ATTN_FUSED_KERNELS=0``) selects everywhere, e.g. to compare the two.
 
@@ -35,33 +37,44 @@ from typing import List, Optional, Sequence
 
 import torch
 
-__all__ = ["fused_enabled", "fused_factored_product", "set_fused_kernels"]
+__all__ = ["fused_enabled", "fused_factored_product", "set_cuda_kernels", "set_fused_kernels"]
 
 _DTYPES = (torch.float32, torch.float64)
 _ENABLED = os.environ.get("E3ATTN_FUSED_KERNELS", "1") != "0"
+_CUDA_ENABLED = os.environ.get("E3ATTN_CUDA_KERNELS", "0") == "1"
+
+
+def _switch(name: str, enabled: bool) -> bool:
+    if not isinstance(enabled, bool):
+        raise ValueError(f"enabled must be a bool, got {enabled!r}")
+    previous = globals()[name]
+    globals()[name] = enabled
+    return previous
 
 
 def set_fused_kernels(enabled: bool) -> bool:
-    """Use the fused kernels in ``forward_factored`` where they run (the default), or the plain formulation.
+    """Use the fused kernels in ``forward_factored`` where they run (the default), or the plain formulation
+    everywhere. Returns the previous setting."""
+    return _switch("_ENABLED", enabled)
 
-    Returns the previous setting.
-    """
-    global _ENABLED
-    if not isinstance(enabled, bool):
-        raise ValueError(f"enabled must be a bool, got {enabled!r}")
-    previous, _ENABLED = _ENABLED, enabled
-    return previous
+
+def set_cuda_kernels(enabled: bool) -> bool:
+    """Run CUDA tensors on the Triton kernels (opt-in; also ``E3ATTN_CUDA_KERNELS=1``), or on the plain
+    formulation (the default, faster for now in backward passes and force training: see
+    :doc:`/guide/performance`). Returns the previous setting."""
+    return _switch("_CUDA_ENABLED", enabled)
 
 
 def fused_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``forward_factored`` runs the fused kernels for tensors of ``dtype`` on ``device``.
 
-    On the CPU, in float32 and float64, neither under autocast nor inside a ``torch.func``
-    transform, unless switched off with :func:`set_fused_kernels`.
+    On the CPU, and on CUDA after :func:`set_cuda_kernels` ``(True)`` (with Triton installed), in float32
+    and float64, neither under autocast nor inside a ``torch.func`` transform, unless switched off with
+    :func:`set_fused_kernels`.
     """
     if not _ENABLED or dtype not in _DTYPES or device.type not in ("cpu", "cuda"):
         return False
-    if device.type == "cuda" and not _has_triton():
+    if device.type == "cuda" and not (_CUDA_ENABLED and _has_triton()):
         return False
     return not (torch.is_autocast_enabled(device.type) or torch._C._are_functorch_transforms_active())
 

@@ -9,11 +9,13 @@ The product runs in two steps (see :mod:`e3attn.kernels.layout`), each one kerne
    :math:`w = h L` tile by tile with ``tl.dot`` (in IEEE precision: no TF32), contracted with
    :math:`y` into the output columns. The ``[E, weight_numel]`` weights are never stored.
 
-The backward runs the same two kernels in reverse order: :func:`_blocks_backward_kernel` gives the
-gradients of :math:`y`, :math:`h` and :math:`L` (added atomically: the order of the additions, and
-so the last bits of float sums, may vary from run to run), then :func:`_paths_backward_kernel`
-those of :math:`x` (per edge) and :math:`Y`. The backward of the backward is composed from these
-(see :mod:`e3attn.kernels.ops`).
+Blocks of one dimension :math:`2l+1` are launched together, with tiles sized for them. The backward
+runs the steps in reverse order: :func:`_blocks_backward_kernel` adds the gradients of :math:`y` and
+:math:`h` of each tile, :func:`_linear_backward_kernel` sums the gradient of :math:`L` over a share
+of the tiles per program, and :func:`_paths_backward_kernel` gives those of :math:`x` (per edge) and
+:math:`Y`. Sums across programs are atomic additions, whose order (and so the last bits of a float
+sum) may vary from run to run. The backward of the backward is composed from these (see
+:mod:`e3attn.kernels.ops`).
 
 With ``TRITON_INTERPRET=1`` set before this module is imported, Triton's interpreter runs the same
 kernels on CPU tensors (slowly): that is how the tests check them on machines without a GPU.
@@ -31,8 +33,7 @@ from .layout import KernelLayout
 
 __all__ = ["forward", "backward"]
 
-BLOCK_E = 32  # edges per tile
-BLOCK_W = 32  # channels per program of the block kernels
+BLOCK_E = 128  # edges per tile of the path kernels
 
 
 @triton.jit
@@ -82,41 +83,59 @@ def _paths_backward_kernel(gy_ptr, x_ptr, index_ptr, sh_ptr, num_x, ptr_x_ptr, o
 
 
 @triton.jit
-def _block_operands(blocks_ptr, hidden_offsets_ptr, hidden_sizes_ptr, linear_offsets_ptr, numel_ptr, hidden_ptr,
-                    num_edges, hidden_stride, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
-                    BLOCK_M: tl.constexpr):
-    """What a program of the block kernels works on: its block's row of ``KernelLayout.blocks``, its edges,
-    channels ``w``, components ``m`` and hidden features ``h`` (indices and masks), and the hidden tile."""
-    edges = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    edge_mask = edges < num_edges
-    edges = edges.to(tl.int64)
-    row = blocks_ptr + tl.program_id(1) * 7
+def _block(blocks_ptr, block, hidden_sizes_ptr, linear_offsets_ptr, numel_ptr, chunk, BLOCK_W: tl.constexpr,
+           BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A block (row ``block`` of ``KernelLayout.blocks``) and a chunk of its channels: the
+    block's fields, the indices and masks of its channels ``w``, hidden features ``h`` and components ``m``,
+    and the offsets of its weights ``L[h, k W + w]`` for ``k = 0``."""
+    row = blocks_ptr + block * 7
     out = tl.load(row)
     width = tl.load(row + 4)
-    channels = tl.program_id(2) * BLOCK_W + tl.arange(0, BLOCK_W)
+    dim_l = tl.load(row + 3)
+    channels = chunk * BLOCK_W + tl.arange(0, BLOCK_W)
     hs = tl.arange(0, BLOCK_H)
-    h_mask = hs < tl.load(hidden_sizes_ptr + out)
-    hidden = tl.load(hidden_ptr + edges[:, None] * hidden_stride + tl.load(hidden_offsets_ptr + out) + hs[None, :],
-                     mask=edge_mask[:, None] & h_mask[None, :], other=0.0)
     ms = tl.arange(0, BLOCK_M)
-    numel = tl.load(numel_ptr + out)
     # linear[t][h, weight_offset + k W + w] sits at linear_offsets[t] + h numel_t + weight_offset + k W + w
-    weights = tl.load(linear_offsets_ptr + out) + hs[:, None] * numel + tl.load(row + 5) + channels[None, :]
-    return (edges, edge_mask, channels, channels < width, hs, h_mask, ms, ms < tl.load(row + 3), hidden, weights,
-            tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), width, tl.load(row + 6), out)
+    weights = (tl.load(linear_offsets_ptr + out) + hs[:, None] * tl.load(numel_ptr + out) + tl.load(row + 5)
+               + channels[None, :])
+    return (out, tl.load(row + 1), tl.load(row + 2), dim_l, width, tl.load(row + 6), channels, channels < width, hs,
+            hs < tl.load(hidden_sizes_ptr + out), ms, ms < dim_l, weights)
+
+
+@triton.jit
+def _edges(tile, num_edges, BLOCK: tl.constexpr):
+    """The edges of a tile (int64) and their mask."""
+    edges = tile * BLOCK + tl.arange(0, BLOCK)
+    return edges.to(tl.int64), edges < num_edges
+
+
+@triton.jit
+def _hidden_tile(hidden_ptr, hidden_offsets_ptr, out, edges, edge_mask, hs, h_mask, hidden_stride):
+    """``hidden[e, offset_t + h]``, ``[BLOCK, BLOCK_H]``."""
+    return tl.load(hidden_ptr + edges[:, None] * hidden_stride + tl.load(hidden_offsets_ptr + out) + hs[None, :],
+                   mask=edge_mask[:, None] & h_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _output_tile(ptr, channels_ptr, channel_offset, channels, w_mask, ms, m_mask, edges, edge_mask, stride):
+    """Pointers ``[BLOCK, BLOCK_W, BLOCK_M]`` to the output columns ``col(w) + m`` of a block, and their mask."""
+    columns = tl.load(channels_ptr + channel_offset + channels, mask=w_mask, other=0)
+    return (ptr + edges[:, None, None] * stride + columns[None, :, None] + ms[None, None, :],
+            edge_mask[:, None, None] & w_mask[None, :, None] & m_mask[None, None, :])
 
 
 @triton.jit
 def _blocks_kernel(y_ptr, hidden_ptr, linear_ptr, blocks_ptr, channels_ptr, hidden_offsets_ptr, hidden_sizes_ptr,
                    linear_offsets_ptr, numel_ptr, out_ptr, num_edges, num_paths, hidden_stride, out_stride,
                    BLOCK: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr):
-    """``z[e, col(w) + m] = sum_k (h_e L)[k W + w] y[e, path_offset + k (2l+1) + m]`` for one block's chunk of
-    channels ``w``."""
-    (edges, edge_mask, channels, w_mask, hs, h_mask, ms, m_mask, hidden, weights, path_offset, k_dim, dim_l, width,
-     channel_offset, out) = _block_operands(blocks_ptr, hidden_offsets_ptr, hidden_sizes_ptr, linear_offsets_ptr,
-                                            numel_ptr, hidden_ptr, num_edges, hidden_stride, BLOCK, BLOCK_W, BLOCK_H,
-                                            BLOCK_M)
+    """``z[e, col(w) + m] = sum_k (h_e L)[k W + w] y[e, path_offset + k (2l+1) + m]`` for one tile of edges and
+    one block's chunk of channels ``w`` (program ids: tile, block, chunk)."""
+    (out, path_offset, k_dim, dim_l, width, channel_offset, channels, w_mask, hs, h_mask, ms, m_mask,
+     weights) = _block(blocks_ptr, tl.program_id(1), hidden_sizes_ptr, linear_offsets_ptr, numel_ptr, tl.program_id(2), BLOCK_W,
+                       BLOCK_H, BLOCK_M)
     if tl.program_id(2) * BLOCK_W < width:
+        edges, edge_mask = _edges(tl.program_id(0), num_edges, BLOCK)
+        hidden = _hidden_tile(hidden_ptr, hidden_offsets_ptr, out, edges, edge_mask, hs, h_mask, hidden_stride)
         acc = tl.zeros((BLOCK, BLOCK_W, BLOCK_M), dtype=out_ptr.dtype.element_ty)
         for k in range(k_dim):
             lin = tl.load(linear_ptr + weights + k * width, mask=h_mask[:, None] & w_mask[None, :], other=0.0)
@@ -124,55 +143,128 @@ def _blocks_kernel(y_ptr, hidden_ptr, linear_ptr, blocks_ptr, channels_ptr, hidd
             y = tl.load(y_ptr + edges[:, None] * num_paths + path_offset + k * dim_l + ms[None, :],
                         mask=edge_mask[:, None] & m_mask[None, :], other=0.0)
             acc += w[:, :, None] * y[:, None, :]
-        columns = tl.load(channels_ptr + channel_offset + channels, mask=w_mask, other=0)
-        tl.store(out_ptr + edges[:, None, None] * out_stride + columns[None, :, None] + ms[None, None, :], acc,
-                 mask=edge_mask[:, None, None] & w_mask[None, :, None] & m_mask[None, None, :])
+        pointers, mask = _output_tile(out_ptr, channels_ptr, channel_offset, channels, w_mask, ms, m_mask, edges,
+                                      edge_mask, out_stride)
+        tl.store(pointers, acc, mask=mask)
 
 
 @triton.jit
-def _blocks_backward_kernel(grad_ptr, y_ptr, hidden_ptr, linear_ptr, blocks_ptr, channels_ptr, hidden_offsets_ptr,
-                            hidden_sizes_ptr, linear_offsets_ptr, numel_ptr, gy_ptr, ghidden_ptr, glinear_ptr,
-                            num_edges, num_paths, hidden_stride, grad_stride, NEED_Y: tl.constexpr,
-                            NEED_HIDDEN: tl.constexpr, NEED_LINEAR: tl.constexpr, BLOCK: tl.constexpr,
-                            BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The gradients of ``<g, z>`` of one block's chunk of channels, added to ``gy``, ``ghidden``, ``glinear``."""
-    (edges, edge_mask, channels, w_mask, hs, h_mask, ms, m_mask, hidden, weights, path_offset, k_dim, dim_l, width,
-     channel_offset, out) = _block_operands(blocks_ptr, hidden_offsets_ptr, hidden_sizes_ptr, linear_offsets_ptr,
-                                            numel_ptr, hidden_ptr, num_edges, hidden_stride, BLOCK, BLOCK_W, BLOCK_H,
-                                            BLOCK_M)
+def _channel_columns(channels_ptr, channel_offset, channels, w_mask, edges, edge_mask, stride):
+    """Offsets ``[BLOCK, BLOCK_W]`` of the output columns ``col(w)`` (component ``m = 0``) of a block, and their
+    mask: component ``m`` is at ``+ m``."""
+    columns = tl.load(channels_ptr + channel_offset + channels, mask=w_mask, other=0)
+    return edges[:, None] * stride + columns[None, :], edge_mask[:, None] & w_mask[None, :]
+
+
+@triton.jit
+def _paths_gradient_kernel(grad_ptr, hidden_ptr, linear_ptr, blocks_ptr, groups_ptr, channels_ptr,
+                           hidden_offsets_ptr, hidden_sizes_ptr, linear_offsets_ptr, numel_ptr, gy_ptr, num_edges,
+                           num_paths, hidden_stride, grad_stride, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
+                           BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``gy[e, path_offset + k (2l+1) + m] = sum_{blocks, w} (h_e L)[k W + w] g[e, col(w) + m]`` for one tile and
+    one degree group (program ids: tile, group), summed over the group's blocks ``groups[i]`` to
+    ``groups[i + 1]`` (rows of ``blocks``): each path is written once, by one program."""
+    edges, edge_mask = _edges(tl.program_id(0), num_edges, BLOCK)
+    first = tl.load(groups_ptr + tl.program_id(1))
+    last = tl.load(groups_ptr + tl.program_id(1) + 1)
+    path_offset = tl.load(blocks_ptr + first * 7 + 1)
+    k_dim = tl.load(blocks_ptr + first * 7 + 2)
+    dim_l = tl.load(blocks_ptr + first * 7 + 3)
+    ms = tl.arange(0, BLOCK_M)
+    for k in range(k_dim):
+        gy = tl.zeros((BLOCK, BLOCK_M), dtype=gy_ptr.dtype.element_ty)
+        for block in range(first, last):
+            for chunk in range(tl.cdiv(tl.load(blocks_ptr + block * 7 + 4), BLOCK_W)):
+                (out, _, _, _, width, channel_offset, channels, w_mask, hs, h_mask, _, _, weights) = _block(blocks_ptr, block, hidden_sizes_ptr, linear_offsets_ptr, numel_ptr, chunk,
+                                   BLOCK_W, BLOCK_H, BLOCK_M)
+                hidden = _hidden_tile(hidden_ptr, hidden_offsets_ptr, out, edges, edge_mask, hs, h_mask,
+                                      hidden_stride)
+                lin = tl.load(linear_ptr + weights + k * width, mask=h_mask[:, None] & w_mask[None, :], other=0.0)
+                w = tl.dot(hidden, lin, input_precision="ieee")
+                columns, mask = _channel_columns(channels_ptr, channel_offset, channels, w_mask, edges, edge_mask,
+                                                 grad_stride)
+                for m in range(dim_l):
+                    part = tl.sum(w * tl.load(grad_ptr + columns + m, mask=mask, other=0.0), axis=1)
+                    gy += tl.where(ms[None, :] == m, part[:, None], 0.0)
+        tl.store(gy_ptr + edges[:, None] * num_paths + path_offset + k * dim_l + ms[None, :], gy,
+                 mask=edge_mask[:, None] & (ms < dim_l)[None, :])
+
+
+@triton.jit
+def _hidden_backward_kernel(grad_ptr, y_ptr, linear_ptr, blocks_ptr, channels_ptr, hidden_offsets_ptr,
+                            hidden_sizes_ptr, linear_offsets_ptr, numel_ptr, ghidden_ptr, num_edges, num_paths,
+                            hidden_stride, grad_stride, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
+                            BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``ghidden[e, h] += sum_{k, w} L[h, k W + w] sum_m g[e, col(w) + m] y[e, path_offset + k (2l+1) + m]`` for
+    one tile and one block's chunk of channels (program ids: tile, block, chunk)."""
+    (out, path_offset, k_dim, dim_l, width, channel_offset, channels, w_mask, hs, h_mask, ms, m_mask,
+     weights) = _block(blocks_ptr, tl.program_id(1), hidden_sizes_ptr, linear_offsets_ptr, numel_ptr,
+                       tl.program_id(2), BLOCK_W, BLOCK_H, BLOCK_M)
     if tl.program_id(2) * BLOCK_W < width:
-        columns = tl.load(channels_ptr + channel_offset + channels, mask=w_mask, other=0)
-        grad = tl.load(grad_ptr + edges[:, None, None] * grad_stride + columns[None, :, None] + ms[None, None, :],
-                       mask=edge_mask[:, None, None] & w_mask[None, :, None] & m_mask[None, None, :], other=0.0)
+        edges, edge_mask = _edges(tl.program_id(0), num_edges, BLOCK)
+        columns, mask = _channel_columns(channels_ptr, channel_offset, channels, w_mask, edges, edge_mask,
+                                         grad_stride)
         ghidden = tl.zeros((BLOCK, BLOCK_H), dtype=ghidden_ptr.dtype.element_ty)
         for k in range(k_dim):
-            lin_mask = h_mask[:, None] & w_mask[None, :]
-            lin = tl.load(linear_ptr + weights + k * width, mask=lin_mask, other=0.0)
-            paths = edges[:, None] * num_paths + path_offset + k * dim_l + ms[None, :]
-            path_mask = edge_mask[:, None] & m_mask[None, :]
-            if NEED_Y:
-                w = tl.dot(hidden, lin, input_precision="ieee")
-                tl.atomic_add(gy_ptr + paths, tl.sum(w[:, :, None] * grad, axis=1), mask=path_mask)
-            if NEED_HIDDEN or NEED_LINEAR:
-                y = tl.load(y_ptr + paths, mask=path_mask, other=0.0)
-                gw = tl.sum(grad * y[:, None, :], axis=2)
-                if NEED_HIDDEN:
-                    ghidden += tl.dot(gw, tl.trans(lin), input_precision="ieee")
-                if NEED_LINEAR:
-                    tl.atomic_add(glinear_ptr + weights + k * width,
-                                  tl.dot(tl.trans(hidden), gw, input_precision="ieee"), mask=lin_mask)
-        if NEED_HIDDEN:
-            hidden_offset = tl.load(hidden_offsets_ptr + out)
-            tl.atomic_add(ghidden_ptr + edges[:, None] * hidden_stride + hidden_offset + hs[None, :], ghidden,
-                          mask=edge_mask[:, None] & h_mask[None, :])
+            lin = tl.load(linear_ptr + weights + k * width, mask=h_mask[:, None] & w_mask[None, :], other=0.0)
+            paths = edges * num_paths + path_offset + k * dim_l
+            gw = tl.zeros((BLOCK, BLOCK_W), dtype=ghidden_ptr.dtype.element_ty)
+            for m in range(dim_l):
+                gw += (tl.load(grad_ptr + columns + m, mask=mask, other=0.0)
+                       * tl.load(y_ptr + paths + m, mask=edge_mask, other=0.0)[:, None])
+            ghidden += tl.dot(gw, tl.trans(lin), input_precision="ieee")
+        tl.atomic_add(ghidden_ptr + edges[:, None] * hidden_stride + tl.load(hidden_offsets_ptr + out)
+                      + hs[None, :], ghidden, mask=edge_mask[:, None] & h_mask[None, :])
+
+
+@triton.jit
+def _linear_backward_kernel(grad_ptr, y_ptr, hidden_ptr, blocks_ptr, channels_ptr, hidden_offsets_ptr,
+                            hidden_sizes_ptr, linear_offsets_ptr, numel_ptr, glinear_ptr, num_edges, num_paths,
+                            hidden_stride, grad_stride, max_k, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
+                            BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``glinear[h, k W + w] += sum_e hidden[e, h] sum_m g[e, col(w) + m] y[e, path_offset + k (2l+1) + m]`` over
+    the tiles ``program_id(0) + i num_programs(0)``, for one block, chunk of channels and ``k`` (program id 2:
+    ``chunk max_k + k``): one atomic addition per program."""
+    chunk = tl.program_id(2) // max_k
+    k = tl.program_id(2) % max_k
+    (out, path_offset, k_dim, dim_l, width, channel_offset, channels, w_mask, hs, h_mask, ms, m_mask,
+     weights) = _block(blocks_ptr, tl.program_id(1), hidden_sizes_ptr, linear_offsets_ptr, numel_ptr, chunk,
+                       BLOCK_W, BLOCK_H, BLOCK_M)
+    if (k < k_dim) & (chunk * BLOCK_W < width):
+        acc = tl.zeros((BLOCK_H, BLOCK_W), dtype=glinear_ptr.dtype.element_ty)
+        for tile in range(tl.program_id(0), tl.cdiv(num_edges, BLOCK), tl.num_programs(0)):
+            edges, edge_mask = _edges(tile, num_edges, BLOCK)
+            hidden = _hidden_tile(hidden_ptr, hidden_offsets_ptr, out, edges, edge_mask, hs, h_mask, hidden_stride)
+            columns, mask = _channel_columns(channels_ptr, channel_offset, channels, w_mask, edges, edge_mask,
+                                             grad_stride)
+            paths = edges * num_paths + path_offset + k * dim_l
+            gw = tl.zeros((BLOCK, BLOCK_W), dtype=glinear_ptr.dtype.element_ty)
+            for m in range(dim_l):
+                gw += (tl.load(grad_ptr + columns + m, mask=mask, other=0.0)
+                       * tl.load(y_ptr + paths + m, mask=edge_mask, other=0.0)[:, None])
+            acc += tl.dot(tl.trans(hidden), gw, input_precision="ieee")
+        tl.atomic_add(glinear_ptr + weights + k * width, acc, mask=h_mask[:, None] & w_mask[None, :])
 
 
 # ---------------------------------------------------------------------- launch
 
 
+class _BlockClass(NamedTuple):
+    """The blocks of one dimension :math:`2l+1`, launched together with the tile sizes that fit them."""
+
+    blocks: torch.Tensor  # [n, 7] int32 rows of KernelLayout.blocks, sorted by path offset (degree group)
+    groups: torch.Tensor  # [num_groups + 1] the first row of each degree group
+    block_m: int  # components per program: 2l+1 rounded up to a power of two
+    block_w: int  # channels per program
+    block_e: int  # edges per tile of the forward ([edges, channels, components] tiles)
+    block_e_backward: int  # edges per tile of the backward ([edges, channels] tiles)
+    chunks: int  # programs per block along the channels
+    max_k: int
+
+
 class _DeviceLayout(NamedTuple):
     """A :class:`~e3attn.kernels.layout.KernelLayout` as device tensors, with the coefficients also listed by
-    ``i`` and by ``j`` (CSR pointers) for the backward."""
+    ``i`` and by ``j`` (CSR pointers) for the backward, and the blocks grouped by dimension."""
 
     ptr_p: torch.Tensor
     coeff_x: torch.Tensor
@@ -183,22 +275,43 @@ class _DeviceLayout(NamedTuple):
     order_x: torch.Tensor
     ptr_sh: torch.Tensor
     order_sh: torch.Tensor
-    blocks: torch.Tensor
     channels: torch.Tensor
-    max_width: int
-    max_dim: int
+    classes: Tuple[_BlockClass, ...]
 
 
-_DEVICE_LAYOUTS: Dict[Tuple[int, torch.device, torch.dtype], _DeviceLayout] = {}
+_DEVICE_LAYOUTS: Dict[Tuple[int, int, int, torch.device, torch.dtype], _DeviceLayout] = {}
+
+
+def _pow2(n: int, least: int) -> int:
+    return max(least, triton.next_power_of_2(max(n, 1)))
 
 
 def _pointers(keys: np.ndarray, size: int) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(np.bincount(keys, minlength=size))])
 
 
+def _block_classes(blocks: np.ndarray, ints) -> Tuple[_BlockClass, ...]:
+    classes = []
+    blocks = blocks[blocks[:, 2] > 0]  # blocks reached by no path: their outputs stay zero
+    for dim in np.unique(blocks[:, 3]):
+        rows = blocks[blocks[:, 3] == dim]
+        rows = rows[np.argsort(rows[:, 1], kind="stable")]
+        starts = np.flatnonzero(np.diff(rows[:, 1], prepend=-1))
+        block_m = _pow2(int(dim), 1)
+        widest = int(rows[:, 4].max())
+        # at most 256 outputs per edge and program (registers), at least 16 channels (tl.dot)
+        block_w = max(16, min(_pow2(widest, 16), 256 // block_m))
+        # tiles of 2,048 to 4,096 values, 32 to 128 edges
+        block_e = max(32, min(128, 2048 // (block_w * block_m)))
+        block_e_backward = max(32, min(128, 4096 // block_w))
+        classes.append(_BlockClass(ints(rows), ints(np.append(starts, len(rows))), block_m, block_w, block_e,
+                                   block_e_backward, triton.cdiv(widest, block_w), int(rows[:, 2].max())))
+    return tuple(classes)
+
+
 def _device_layout(layout: KernelLayout, x_dim: int, sh_dim: int, device: torch.device,
                    dtype: torch.dtype) -> _DeviceLayout:
-    key = (id(layout), device, dtype)
+    key = (id(layout), x_dim, sh_dim, device, dtype)
     found = _DEVICE_LAYOUTS.get(key)
     if found is None:
         def ints(values) -> torch.Tensor:
@@ -210,21 +323,17 @@ def _device_layout(layout: KernelLayout, x_dim: int, sh_dim: int, device: torch.
             coeff_c=torch.as_tensor(layout.path_c, dtype=dtype, device=device),
             ptr_x=ints(_pointers(layout.path_x, x_dim)), order_x=ints(np.argsort(layout.path_x, kind="stable")),
             ptr_sh=ints(_pointers(layout.path_y, sh_dim)), order_sh=ints(np.argsort(layout.path_y, kind="stable")),
-            blocks=ints(layout.blocks), channels=ints(layout.channels),
-            max_width=int(layout.blocks[:, 4].max(initial=1)), max_dim=int(layout.blocks[:, 3].max(initial=1)),
+            channels=ints(layout.channels), classes=_block_classes(layout.blocks, ints),
         )
     return found
 
 
 def _sizes(device: torch.device, hidden_sizes: List[int], numel) -> Tuple[torch.Tensor, ...]:
+    """Per output: the offsets and sizes of its hidden features, the offsets and sizes of its weights."""
     sizes = np.asarray(hidden_sizes, dtype=np.int64)
     numel = np.asarray(numel, dtype=np.int64)
     values = (np.cumsum([0, *sizes[:-1]]), sizes, np.cumsum([0, *(sizes * numel)[:-1]]), numel)
     return tuple(torch.as_tensor(v, dtype=torch.int32, device=device) for v in values)
-
-
-def _pow2(n: int, least: int) -> int:
-    return max(least, triton.next_power_of_2(max(n, 1)))
 
 
 def _paths(layout: KernelLayout, dev: _DeviceLayout, x, index, sh) -> torch.Tensor:
@@ -236,11 +345,14 @@ def _paths(layout: KernelLayout, dev: _DeviceLayout, x, index, sh) -> torch.Tens
     return y
 
 
-def _block_arguments(layout: KernelLayout, dev: _DeviceLayout, hidden, hidden_sizes: List[int]):
-    grid = (triton.cdiv(hidden.shape[0], BLOCK_E), layout.blocks.shape[0], triton.cdiv(dev.max_width, BLOCK_W))
-    constants = dict(BLOCK=BLOCK_E, BLOCK_W=BLOCK_W, BLOCK_H=_pow2(max(hidden_sizes, default=1), 16),
-                     BLOCK_M=_pow2(dev.max_dim, 1))
-    return grid, (dev.blocks, dev.channels, *_sizes(hidden.device, hidden_sizes, layout.weight_numel)), constants
+def _launches(layout: KernelLayout, dev: _DeviceLayout, hidden, hidden_sizes: List[int], backward: bool):
+    """Per class of blocks: the grid (tile, block, chunk), the structure arguments and the tile sizes."""
+    sizes = _sizes(hidden.device, hidden_sizes, layout.weight_numel)
+    block_h = _pow2(max(hidden_sizes, default=1), 16)
+    for c in dev.classes:
+        block_e = c.block_e_backward if backward else c.block_e
+        yield c, (triton.cdiv(hidden.shape[0], block_e), c.blocks.shape[0], c.chunks), \
+            (c.blocks, dev.channels, *sizes), dict(BLOCK=block_e, BLOCK_W=c.block_w, BLOCK_H=block_h, BLOCK_M=c.block_m)
 
 
 def forward(layout: KernelLayout, x: torch.Tensor, index: Optional[torch.Tensor], sh: torch.Tensor,
@@ -248,14 +360,18 @@ def forward(layout: KernelLayout, x: torch.Tensor, index: Optional[torch.Tensor]
     """:math:`F(x, Y, h, L)`, ``[E, out_dim]`` (contiguous arguments on one device, checked by the caller)."""
     num = sh.shape[0]
     out = sh.new_zeros(num, layout.out_dim)  # columns of outputs without paths stay zero
-    if num == 0 or layout.blocks.shape[0] == 0:
+    if num == 0:
         return out
     dev = _device_layout(layout, x.shape[1], sh.shape[1], sh.device, sh.dtype)
     y = _paths(layout, dev, x, index, sh)
-    grid, structure, constants = _block_arguments(layout, dev, hidden, hidden_sizes)
-    _blocks_kernel[grid](y, hidden, linear, *structure, out, num, layout.num_paths, hidden.shape[1], layout.out_dim,
-                         **constants)
+    for _, grid, structure, constants in _launches(layout, dev, hidden, hidden_sizes, backward=False):
+        _blocks_kernel[grid](y, hidden, linear, *structure, out, num, layout.num_paths, hidden.shape[1],
+                             layout.out_dim, **constants)
     return out
+
+
+# programs of the weight-gradient kernel (each sums over a share of the tiles): a few per multiprocessor
+_LINEAR_PROGRAMS = 8192
 
 
 def backward(layout: KernelLayout, x: torch.Tensor, index: Optional[torch.Tensor], sh: torch.Tensor,
@@ -269,15 +385,26 @@ def backward(layout: KernelLayout, x: torch.Tensor, index: Optional[torch.Tensor
     gsh = sh.new_zeros(num if need_inputs else 0, sh.shape[1])
     ghidden = hidden.new_zeros(num if need_hidden else 0, hidden.shape[1])
     glinear = linear.new_zeros(linear.shape[0] if need_linear else 0)
-    if num == 0 or layout.blocks.shape[0] == 0 or not (need_inputs or need_hidden or need_linear):
+    if num == 0 or not (need_inputs or need_hidden or need_linear):
         return gx, gsh, ghidden, glinear
     dev = _device_layout(layout, x.shape[1], sh.shape[1], sh.device, sh.dtype)
     y = _paths(layout, dev, x, index, sh) if need_hidden or need_linear else sh.new_empty(0)
-    gy = sh.new_zeros(num if need_inputs else 0, layout.num_paths)
-    grid, structure, constants = _block_arguments(layout, dev, hidden, hidden_sizes)
-    _blocks_backward_kernel[grid](
-        grad, y, hidden, linear, *structure, gy, ghidden, glinear, num, layout.num_paths, hidden.shape[1],
-        layout.out_dim, NEED_Y=need_inputs, NEED_HIDDEN=need_hidden, NEED_LINEAR=need_linear, **constants)
+    gy = sh.new_zeros(num if need_inputs else 0, layout.num_paths)  # paths of no block stay zero
+    for c, grid, structure, constants in _launches(layout, dev, hidden, hidden_sizes, backward=True):
+        blocks, channels, *sizes = structure
+        if need_inputs:
+            _paths_gradient_kernel[(grid[0], c.groups.shape[0] - 1)](
+                grad, hidden, linear, blocks, c.groups, channels, *sizes, gy, num, layout.num_paths, hidden.shape[1],
+                layout.out_dim, **constants)
+        if need_hidden:
+            _hidden_backward_kernel[grid](grad, y, linear, *structure, ghidden, num, layout.num_paths,
+                                          hidden.shape[1], layout.out_dim, **constants)
+        if need_linear:
+            per_tile = c.blocks.shape[0] * c.chunks * c.max_k
+            splits = max(1, min(grid[0], _LINEAR_PROGRAMS // per_tile))
+            _linear_backward_kernel[(splits, grid[1], c.chunks * c.max_k)](
+                grad, y, hidden, *structure, glinear, num, layout.num_paths, hidden.shape[1], layout.out_dim,
+                c.max_k, **constants)
     if need_inputs:
         _paths_backward_kernel[(triton.cdiv(num, BLOCK_E),)](
             gy, x, index if index is not None else sh, sh, dev.ptr_x.shape[0] - 1, dev.ptr_x, dev.order_x,
