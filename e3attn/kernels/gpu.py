@@ -54,32 +54,24 @@ def _paths_kernel(x_ptr, index_ptr, sh_ptr, ptr_ptr, coeff_x_ptr, coeff_y_ptr, c
 
 
 @triton.jit
-def _paths_backward_kernel(gy_ptr, x_ptr, index_ptr, sh_ptr, num_x, ptr_x_ptr, order_x_ptr, num_sh, ptr_sh_ptr,
-                           order_sh_ptr, coeff_x_ptr, coeff_y_ptr, coeff_p_ptr, coeff_c_ptr, gx_ptr, gsh_ptr,
-                           num_edges, num_paths, x_stride, sh_stride, HAS_INDEX: tl.constexpr,
-                           BLOCK: tl.constexpr):
-    """Per edge, ``gx[e, i] = sum_{q: i_q = i} c_q gy[e, p_q] Y[e, j_q]`` and
-    ``gsh[e, j] = sum_{q: j_q = j} c_q gy[e, p_q] x[index[e], i_q]`` (coefficients listed by ``i``, by ``j``)."""
+def _paths_backward_kernel(gy_ptr, other_ptr, index_ptr, other_stride, num_columns, ptr_ptr, order_ptr,
+                           coeff_other_ptr, coeff_p_ptr, coeff_c_ptr, out_ptr, num_edges, num_paths,
+                           GATHER: tl.constexpr, BLOCK: tl.constexpr):
+    """The gradient of one factor of the path features, per edge: ``out[e, i] = sum_{q: i_q = i} c_q gy[e, p_q]
+    other[e, j_q]`` over the coefficients listed by ``i`` (``order[ptr[i]:ptr[i + 1]]``); for ``x`` the other
+    factor is ``Y``, for ``Y`` it is ``x[index[e]]`` (``GATHER``). ``out`` is ``[E, num_columns]``."""
     edges = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = edges < num_edges
     edges = edges.to(tl.int64)
-    rows = tl.load(index_ptr + edges, mask=mask, other=0).to(tl.int64) if HAS_INDEX else edges
-    for i in range(num_x):
-        acc = tl.zeros((BLOCK,), dtype=gx_ptr.dtype.element_ty)
-        for r in range(tl.load(ptr_x_ptr + i), tl.load(ptr_x_ptr + i + 1)):
-            q = tl.load(order_x_ptr + r)
+    rows = tl.load(index_ptr + edges, mask=mask, other=0).to(tl.int64) if GATHER else edges
+    for i in range(num_columns):
+        acc = tl.zeros((BLOCK,), dtype=out_ptr.dtype.element_ty)
+        for r in range(tl.load(ptr_ptr + i), tl.load(ptr_ptr + i + 1)):
+            q = tl.load(order_ptr + r)
             gy = tl.load(gy_ptr + edges * num_paths + tl.load(coeff_p_ptr + q), mask=mask, other=0.0)
-            y = tl.load(sh_ptr + edges * sh_stride + tl.load(coeff_y_ptr + q), mask=mask, other=0.0)
-            acc += tl.load(coeff_c_ptr + q) * gy * y
-        tl.store(gx_ptr + edges * x_stride + i, acc, mask=mask)
-    for j in range(num_sh):
-        acc = tl.zeros((BLOCK,), dtype=gsh_ptr.dtype.element_ty)
-        for r in range(tl.load(ptr_sh_ptr + j), tl.load(ptr_sh_ptr + j + 1)):
-            q = tl.load(order_sh_ptr + r)
-            gy = tl.load(gy_ptr + edges * num_paths + tl.load(coeff_p_ptr + q), mask=mask, other=0.0)
-            x = tl.load(x_ptr + rows * x_stride + tl.load(coeff_x_ptr + q), mask=mask, other=0.0)
-            acc += tl.load(coeff_c_ptr + q) * gy * x
-        tl.store(gsh_ptr + edges * sh_stride + j, acc, mask=mask)
+            other = tl.load(other_ptr + rows * other_stride + tl.load(coeff_other_ptr + q), mask=mask, other=0.0)
+            acc += tl.load(coeff_c_ptr + q) * gy * other
+        tl.store(out_ptr + edges * num_columns + i, acc, mask=mask)
 
 
 @triton.jit
@@ -406,8 +398,10 @@ def backward(layout: KernelLayout, x: torch.Tensor, index: Optional[torch.Tensor
                 grad, y, hidden, *structure, glinear, num, layout.num_paths, hidden.shape[1], layout.out_dim,
                 c.max_k, **constants)
     if need_inputs:
-        _paths_backward_kernel[(triton.cdiv(num, BLOCK_E),)](
-            gy, x, index if index is not None else sh, sh, dev.ptr_x.shape[0] - 1, dev.ptr_x, dev.order_x,
-            dev.ptr_sh.shape[0] - 1, dev.ptr_sh, dev.order_sh, dev.coeff_x, dev.coeff_y, dev.coeff_p, dev.coeff_c,
-            gx, gsh, num, layout.num_paths, x.shape[1], sh.shape[1], HAS_INDEX=index is not None, BLOCK=BLOCK_E)
+        grid = (triton.cdiv(num, BLOCK_E),)
+        _paths_backward_kernel[grid](gy, sh, sh, sh.shape[1], x.shape[1], dev.ptr_x, dev.order_x, dev.coeff_y,
+                                     dev.coeff_p, dev.coeff_c, gx, num, layout.num_paths, GATHER=False, BLOCK=BLOCK_E)
+        _paths_backward_kernel[grid](gy, x, index if index is not None else sh, x.shape[1], sh.shape[1], dev.ptr_sh,
+                                     dev.order_sh, dev.coeff_x, dev.coeff_p, dev.coeff_c, gsh, num, layout.num_paths,
+                                     GATHER=index is not None, BLOCK=BLOCK_E)
     return gx, gsh, ghidden, glinear
