@@ -3,7 +3,7 @@ r"""The fused tensor product on CUDA: Triton kernels, compiled by Triton on firs
 The product runs in two steps (see :mod:`e3attn.kernels.layout`), each one kernel over tiles of
 ``BLOCK_E`` edges:
 
-1. :func:`_paths_kernel`: the path features :math:`y_e = P(x_{\mathrm{index}(e)}, Y_e)`
+1. :func:`_coefficients_kernel`: the path features :math:`y_e = P(x_{\mathrm{index}(e)}, Y_e)`
    ``[E, num_paths]``, one sum of Clebsch-Gordan terms per path (``x[index]`` is gathered inside);
 2. :func:`_blocks_kernel`: per (tile, output block, chunk of ``BLOCK_W`` channels), the block's weights
    :math:`w = h L` tile by tile with ``tl.dot`` (in IEEE precision: no TF32), contracted with
@@ -12,7 +12,7 @@ The product runs in two steps (see :mod:`e3attn.kernels.layout`), each one kerne
 Blocks of one dimension :math:`2l+1` are launched together, with tiles sized for them. The backward
 runs the steps in reverse order: :func:`_blocks_backward_kernel` adds the gradients of :math:`y` and
 :math:`h` of each tile, :func:`_linear_backward_kernel` sums the gradient of :math:`L` over a share
-of the tiles per program, and :func:`_paths_backward_kernel` gives those of :math:`x` (per edge) and
+of the tiles per program, and :func:`_coefficients_kernel` again those of :math:`x` (per edge) and
 :math:`Y`. Sums across programs are atomic additions, whose order (and so the last bits of a float
 sum) may vary from run to run. The backward of the backward is composed from these (see
 :mod:`e3attn.kernels.ops`).
@@ -37,40 +37,28 @@ BLOCK_E = 128  # edges per tile of the path kernels
 
 
 @triton.jit
-def _paths_kernel(x_ptr, index_ptr, sh_ptr, ptr_ptr, coeff_x_ptr, coeff_y_ptr, coeff_c_ptr, y_ptr,
-                  num_edges, num_paths, x_stride, sh_stride, HAS_INDEX: tl.constexpr, BLOCK: tl.constexpr):
-    """``y[e, p] = sum_q c_q x[index[e], i_q] Y[e, j_q]`` over the coefficients ``q`` of path ``p``."""
+def _coefficients_kernel(a_ptr, a_stride, a_columns_ptr, b_ptr, b_stride, b_columns_ptr, index_ptr, ptr_ptr, order_ptr,
+                         coeff_ptr, out_ptr, num_edges, num_columns, GATHER_A: tl.constexpr, GATHER_B: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """Sums of Clebsch-Gordan terms, per edge: ``out[e, i] = sum_r c_q a[rows_a(e), a_q] b[rows_b(e), b_q]`` with
+    ``q = order[r]`` for ``r`` in ``ptr[i]:ptr[i + 1]``, where the rows are ``index[e]`` (``GATHER``) or ``e``.
+
+    The path features are ``y = (x[index] by i_q) * (Y by j_q)`` listed by path; the gradient of ``x`` per edge
+    is ``(gy by p_q) * (Y by j_q)`` listed by ``i``, that of ``Y`` is ``(gy by p_q) * (x[index] by i_q)`` listed
+    by ``j``. ``out`` is ``[E, num_columns]``."""
     edges = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = edges < num_edges
     edges = edges.to(tl.int64)
-    rows = tl.load(index_ptr + edges, mask=mask, other=0).to(tl.int64) if HAS_INDEX else edges
-    for p in range(num_paths):
-        acc = tl.zeros((BLOCK,), dtype=y_ptr.dtype.element_ty)
-        for q in range(tl.load(ptr_ptr + p), tl.load(ptr_ptr + p + 1)):
-            x = tl.load(x_ptr + rows * x_stride + tl.load(coeff_x_ptr + q), mask=mask, other=0.0)
-            y = tl.load(sh_ptr + edges * sh_stride + tl.load(coeff_y_ptr + q), mask=mask, other=0.0)
-            acc += tl.load(coeff_c_ptr + q) * x * y
-        tl.store(y_ptr + edges * num_paths + p, acc, mask=mask)
-
-
-@triton.jit
-def _paths_backward_kernel(gy_ptr, other_ptr, index_ptr, other_stride, num_columns, ptr_ptr, order_ptr,
-                           coeff_other_ptr, coeff_p_ptr, coeff_c_ptr, out_ptr, num_edges, num_paths,
-                           GATHER: tl.constexpr, BLOCK: tl.constexpr):
-    """The gradient of one factor of the path features, per edge: ``out[e, i] = sum_{q: i_q = i} c_q gy[e, p_q]
-    other[e, j_q]`` over the coefficients listed by ``i`` (``order[ptr[i]:ptr[i + 1]]``); for ``x`` the other
-    factor is ``Y``, for ``Y`` it is ``x[index[e]]`` (``GATHER``). ``out`` is ``[E, num_columns]``."""
-    edges = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = edges < num_edges
-    edges = edges.to(tl.int64)
-    rows = tl.load(index_ptr + edges, mask=mask, other=0).to(tl.int64) if GATHER else edges
+    index = tl.load(index_ptr + edges, mask=mask, other=0).to(tl.int64) if GATHER_A or GATHER_B else edges
+    a_rows = (index if GATHER_A else edges) * a_stride
+    b_rows = (index if GATHER_B else edges) * b_stride
     for i in range(num_columns):
         acc = tl.zeros((BLOCK,), dtype=out_ptr.dtype.element_ty)
         for r in range(tl.load(ptr_ptr + i), tl.load(ptr_ptr + i + 1)):
             q = tl.load(order_ptr + r)
-            gy = tl.load(gy_ptr + edges * num_paths + tl.load(coeff_p_ptr + q), mask=mask, other=0.0)
-            other = tl.load(other_ptr + rows * other_stride + tl.load(coeff_other_ptr + q), mask=mask, other=0.0)
-            acc += tl.load(coeff_c_ptr + q) * gy * other
+            a = tl.load(a_ptr + a_rows + tl.load(a_columns_ptr + q), mask=mask, other=0.0)
+            b = tl.load(b_ptr + b_rows + tl.load(b_columns_ptr + q), mask=mask, other=0.0)
+            acc += tl.load(coeff_ptr + q) * a * b
         tl.store(out_ptr + edges * num_columns + i, acc, mask=mask)
 
 
@@ -259,6 +247,7 @@ class _DeviceLayout(NamedTuple):
     ``i`` and by ``j`` (CSR pointers) for the backward, and the blocks grouped by dimension."""
 
     ptr_p: torch.Tensor
+    order_p: torch.Tensor
     coeff_x: torch.Tensor
     coeff_y: torch.Tensor
     coeff_p: torch.Tensor
@@ -310,7 +299,7 @@ def _device_layout(layout: KernelLayout, x_dim: int, sh_dim: int, device: torch.
             return torch.as_tensor(np.ascontiguousarray(values), dtype=torch.int32, device=device)
 
         found = _DEVICE_LAYOUTS[key] = _DeviceLayout(
-            ptr_p=ints(_pointers(layout.path_p, layout.num_paths)),
+            ptr_p=ints(_pointers(layout.path_p, layout.num_paths)), order_p=ints(np.arange(len(layout.path_p))),
             coeff_x=ints(layout.path_x), coeff_y=ints(layout.path_y), coeff_p=ints(layout.path_p),
             coeff_c=torch.as_tensor(layout.path_c, dtype=dtype, device=device),
             ptr_x=ints(_pointers(layout.path_x, x_dim)), order_x=ints(np.argsort(layout.path_x, kind="stable")),
@@ -328,13 +317,22 @@ def _sizes(device: torch.device, hidden_sizes: List[int], numel) -> Tuple[torch.
     return tuple(torch.as_tensor(v, dtype=torch.int32, device=device) for v in values)
 
 
+def _coefficient_sums(dev: _DeviceLayout, a, a_columns, a_gathered: bool, b, b_columns, b_gathered: bool,
+                      index, ptr, order, num_columns: int) -> torch.Tensor:
+    """:func:`_coefficients_kernel`'s ``[E, num_columns]`` (``index`` is used where a factor is gathered)."""
+    num = b.shape[0] if not b_gathered else a.shape[0]
+    out = a.new_empty(num, num_columns)
+    _coefficients_kernel[(triton.cdiv(num, BLOCK_E),)](
+        a, a.shape[1], a_columns, b, b.shape[1], b_columns, index if index is not None else order, ptr, order,
+        dev.coeff_c, out, num, num_columns, GATHER_A=a_gathered and index is not None,
+        GATHER_B=b_gathered and index is not None, BLOCK=BLOCK_E)
+    return out
+
+
 def _paths(layout: KernelLayout, dev: _DeviceLayout, x, index, sh) -> torch.Tensor:
-    num = sh.shape[0]
-    y = sh.new_empty(num, layout.num_paths)
-    _paths_kernel[(triton.cdiv(num, BLOCK_E),)](
-        x, index if index is not None else sh, sh, dev.ptr_p, dev.coeff_x, dev.coeff_y, dev.coeff_c, y,
-        num, layout.num_paths, x.shape[1], sh.shape[1], HAS_INDEX=index is not None, BLOCK=BLOCK_E)
-    return y
+    """The path features ``y``, ``[E, num_paths]``."""
+    return _coefficient_sums(dev, sh, dev.coeff_y, False, x, dev.coeff_x, True, index, dev.ptr_p, dev.order_p,
+                             layout.num_paths)
 
 
 def _launches(layout: KernelLayout, dev: _DeviceLayout, hidden, hidden_sizes: List[int], backward: bool):
@@ -373,8 +371,7 @@ def backward(layout: KernelLayout, x: torch.Tensor, index: Optional[torch.Tensor
     """The gradients of :math:`\\langle g, F \\rangle`: of the gathered ``x`` per edge ``[E, x_dim]`` and of
     ``sh`` (when ``need_inputs``), of ``hidden`` and of ``linear`` (empty where not needed)."""
     num = sh.shape[0]
-    gx = x.new_zeros(num if need_inputs else 0, x.shape[1])
-    gsh = sh.new_zeros(num if need_inputs else 0, sh.shape[1])
+    gx, gsh = x.new_zeros(0, x.shape[1]), sh.new_zeros(0, sh.shape[1])  # replaced below where needed
     ghidden = hidden.new_zeros(num if need_hidden else 0, hidden.shape[1])
     glinear = linear.new_zeros(linear.shape[0] if need_linear else 0)
     if num == 0 or not (need_inputs or need_hidden or need_linear):
@@ -398,10 +395,8 @@ def backward(layout: KernelLayout, x: torch.Tensor, index: Optional[torch.Tensor
                 grad, y, hidden, *structure, glinear, num, layout.num_paths, hidden.shape[1], layout.out_dim,
                 c.max_k, **constants)
     if need_inputs:
-        grid = (triton.cdiv(num, BLOCK_E),)
-        _paths_backward_kernel[grid](gy, sh, sh, sh.shape[1], x.shape[1], dev.ptr_x, dev.order_x, dev.coeff_y,
-                                     dev.coeff_p, dev.coeff_c, gx, num, layout.num_paths, GATHER=False, BLOCK=BLOCK_E)
-        _paths_backward_kernel[grid](gy, x, index if index is not None else sh, x.shape[1], sh.shape[1], dev.ptr_sh,
-                                     dev.order_sh, dev.coeff_x, dev.coeff_p, dev.coeff_c, gsh, num, layout.num_paths,
-                                     GATHER=index is not None, BLOCK=BLOCK_E)
+        gx = _coefficient_sums(dev, gy, dev.coeff_p, False, sh, dev.coeff_y, False, None, dev.ptr_x, dev.order_x,
+                               x.shape[1])
+        gsh = _coefficient_sums(dev, gy, dev.coeff_p, False, x, dev.coeff_x, True, index, dev.ptr_sh, dev.order_sh,
+                                sh.shape[1])
     return gx, gsh, ghidden, glinear
