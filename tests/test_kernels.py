@@ -1,5 +1,8 @@
 """The fused kernels (e3attn.kernels): equal to e3nn and to the plain formulation, values and first and second
 derivatives, in float64; custom operators that pass opcheck; bitwise repeatable; opt-in switch."""
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from e3nn import o3
@@ -231,16 +234,65 @@ def test_fused_operators_refuse_out_of_range_arguments():
                             zip(sizes, linear.split([h * n for h, n in zip(sizes, tp.weight_numel)]))], index=index + 5)
 
 
-@pytest.mark.slow
-def test_cold_start_benchmark_smoke(tmp_path):
-    """benchmarks/cold_start.py: a process with an empty numba cache compiles, a second one loads the cache."""
+def _cold_start_benchmark():
+    """benchmarks/cold_start.py as a module."""
     import importlib.util
-    from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "cold_start.py"
     spec = importlib.util.spec_from_file_location("benchmark_cold_start", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    cold, warm = bench.main(["--dtypes", "float32", "--out", str(tmp_path / "c.json")])
+    return bench
+
+
+@pytest.mark.slow
+def test_cold_start_benchmark_smoke(tmp_path):
+    """benchmarks/cold_start.py: a process with an empty numba cache compiles, a second one loads the cache."""
+    cold, warm = _cold_start_benchmark().main(["--dtypes", "float32", "--out", str(tmp_path / "c.json")])
     assert (cold["start"], warm["start"]) == ("cold", "warm")
     assert cold["startup_s"] > warm["startup_s"] > 0  # compiling costs more than loading the cache
+
+
+@pytest.mark.slow
+def test_kernel_cache_of_a_read_only_install(tmp_path):
+    """Installed where the user cannot write (e.g. a system site-packages), the kernels compile into numba's
+    per-user cache directory (``$XDG_CACHE_HOME/numba``) and the next process loads them from there. Root,
+    whom file permissions do not stop, gets a read-only bind mount of the package in a mount namespace."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    site, cache = tmp_path / "site", tmp_path / "cache"
+    shutil.copytree(Path(kernels.__file__).parents[1], site / "e3attn",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.nbi", "*.nbc"))
+    cache.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env.update(PYTHONPATH=str(site), XDG_CACHE_HOME=str(cache))
+    child = _cold_start_benchmark().CHILD + f"\nassert e3attn.__file__.startswith({str(site)!r}), e3attn.__file__\n"
+    command = [sys.executable, "-c", child, "float64"]
+    if os.geteuid() == 0:
+        mount = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"'
+        command = ["unshare", "-m", "--propagation", "private", "sh", "-c", mount, str(site), *command]
+        probe = subprocess.run(command[:6] + [mount.split(" && exec")[0] + ' && ! touch "$0/probe"', str(site)],
+                               capture_output=True)
+        if probe.returncode != 0:
+            pytest.skip(f"no read-only bind mount for root here: {probe.stderr.decode()[-200:]}")
+    else:
+        for path in [site, *site.rglob("*")]:
+            path.chmod(0o555 if path.is_dir() else 0o444)
+
+    def start_up() -> float:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        row = json.loads(done.stdout.strip().splitlines()[0])
+        return row["first_step_s"] - row["second_step_s"]
+
+    try:
+        compiled, loaded = start_up(), start_up()
+        assert list((cache / "numba").rglob("*.nbi")) and not list(site.rglob("*.nbi"))
+        assert loaded < compiled / 3  # the second process found the first one's cache
+    finally:
+        for path in [site, *site.rglob("*")]:
+            if path.is_dir():
+                path.chmod(0o755)
