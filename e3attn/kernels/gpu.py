@@ -1,20 +1,20 @@
 r"""The fused tensor product on CUDA: Triton kernels, compiled by Triton on first use and cached on disk.
 
-The product runs in two steps (see :mod:`e3attn.kernels.layout`), each one kernel over tiles of
-``BLOCK_E`` edges:
+The product runs in two steps (see :mod:`e3attn.kernels.layout`), each one kernel over tiles of edges:
 
 1. :func:`_coefficients_kernel`: the path features :math:`y_e = P(x_{\mathrm{index}(e)}, Y_e)`
    ``[E, num_paths]``, one sum of Clebsch-Gordan terms per path (``x[index]`` is gathered inside);
-2. :func:`_blocks_kernel`: per (tile, output block, chunk of ``BLOCK_W`` channels), the block's weights
-   :math:`w = h L` tile by tile with ``tl.dot`` (in IEEE precision: no TF32), contracted with
-   :math:`y` into the output columns. The ``[E, weight_numel]`` weights are never stored.
+2. :func:`_blocks_kernel`: per (tile, output block, chunk of channels), the block's weights
+   :math:`w = h L` with ``tl.dot`` (in IEEE precision: no TF32), contracted with :math:`y` into the
+   output columns. The ``[E, weight_numel]`` weights are never stored.
 
 Blocks of one dimension :math:`2l+1` are launched together, with tiles sized for them. The backward
-runs the steps in reverse order: :func:`_blocks_backward_kernel` adds the gradients of :math:`y` and
-:math:`h` of each tile, :func:`_linear_backward_kernel` sums the gradient of :math:`L` over a share
-of the tiles per program, and :func:`_coefficients_kernel` again those of :math:`x` (per edge) and
-:math:`Y`. Sums across programs are atomic additions, whose order (and so the last bits of a float
-sum) may vary from run to run. The backward of the backward is composed from these (see
+runs the steps in reverse order: :func:`_paths_gradient_kernel` gives the gradient of :math:`y` (one
+program per tile and degree group, summing over the group's blocks), :func:`_hidden_backward_kernel`
+that of :math:`h`, :func:`_linear_backward_kernel` that of :math:`L` (each program sums over a share
+of the tiles), and :func:`_coefficients_kernel` again those of :math:`x` (per edge) and :math:`Y`.
+Sums across programs are atomic additions, whose order (and so the last bits of a float sum) may
+vary from run to run. The backward of the backward is composed from these (see
 :mod:`e3attn.kernels.ops`).
 
 With ``TRITON_INTERPRET=1`` set before this module is imported, Triton's interpreter runs the same
@@ -33,7 +33,7 @@ from .layout import KernelLayout
 
 __all__ = ["forward", "backward"]
 
-BLOCK_E = 128  # edges per tile of the path kernels
+BLOCK_E = 128  # edges per tile of the Clebsch-Gordan sums
 
 
 @triton.jit
