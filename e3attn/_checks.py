@@ -56,11 +56,11 @@ def check_floating(x: torch.Tensor, name: str) -> None:
 
 
 def check_dtype(x: torch.Tensor, name: str, expected: torch.dtype, owner: str = "the module") -> None:
-    """``x`` must have the dtype ``expected`` in which ``owner`` (e.g. "the layer") computes."""
+    """``x`` must have the dtype ``expected`` of ``owner`` (e.g. "the layer", whose parameters have it)."""
     if x.dtype != expected:
         raise ValueError(
-            f"{name} has dtype {x.dtype} but {owner} computes in {expected}: "
-            f"convert {name} (.to({expected})) or {owner} (.to({x.dtype}))"
+            f"{name} has dtype {x.dtype}, expected {expected} (the dtype of {owner}): "
+            f"convert {name} with .to({expected}) or {owner} with .to({x.dtype})"
         )
 
 
@@ -72,11 +72,6 @@ def check_radius_fits(max_radius: float, dtype: torch.dtype, name: str = "max_ra
             f"{name} = {max_radius:.3g} is too large for {dtype}: squared distances overflow from "
             f"{2 * limit:.3g} on (largest usable {name}: {limit:.3g}); rescale the positions or use float64"
         )
-
-
-def parameter_dtype(module: torch.nn.Module) -> Optional[torch.dtype]:
-    """The dtype of the first floating-point parameter of ``module`` (``None`` without one)."""
-    return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
 
 
 def check_pos(pos: torch.Tensor, name: str = "pos") -> None:

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 from functools import lru_cache
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 from e3nn import o3
 
@@ -85,33 +87,49 @@ def _spec(value: IrrepsSpec, name: str) -> IrrepsSpec:
 
 
 @lru_cache(maxsize=None)
-def _generator_spectra(l: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-    r"""Spectra of e3nn's generators :math:`X_x, X_y` of degree ``l``: :math:`i X = V \operatorname{diag}(m) V^\dagger`.
+def _generator_projectors(l: int) -> List[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    r"""Spectral projectors of e3nn's generators :math:`X_x, X_y` of degree ``l``.
 
-    The eigenvalues are the integers :math:`m = -l \dots l` (rounded to them exactly).
+    :math:`i X = \sum_m m\, P_m` with the eigenvalues :math:`m = -l \dots l` (integers, rounded to
+    them exactly) and the projectors :math:`P_m = v_m v_m^\dagger`; returned as ``(m, Re P, Im P)``
+    with every :math:`P_m` flattened to a row.
     """
     with _default_dtype(torch.float64):
-        generators = o3.so3_generators(l)
-    spectra = []
+        generators = o3.so3_generators(l).numpy()
+    projectors = []
     for x in generators[:2]:
-        m, v = torch.linalg.eigh(1j * x.to(torch.complex128))
-        spectra.append((m.real.round(), v))
-    return spectra
+        m, v = np.linalg.eigh(1j * x)
+        p = (v.T[:, :, None] * v.T.conj()[:, None, :]).reshape(len(m), -1)
+        projectors.append((m.round(), p.real.copy(), p.imag.copy()))
+    return projectors
 
 
 def _wigner_D(l: int, alpha: float, beta: float, gamma: float) -> torch.Tensor:
     r"""e3nn's :math:`D^l(\alpha, \beta, \gamma) = e^{\alpha X_y} e^{\beta X_x} e^{\gamma X_y}` in float64, to rounding.
 
-    Each exponential is :math:`V \operatorname{diag}(e^{-i t m}) V^\dagger` from the exact spectrum of
-    the generator. (e3nn evaluates them with ``torch.matrix_exp``, which is off by up to about
-    :math:`2 \times 10^{-10}` for some angles: enough to fail an exactly equivariant float64 model.)
+    Each exponential is :math:`e^{tX} = \sum_m e^{-itm} P_m = \sum_m \cos(tm) \operatorname{Re} P_m
+    + \sin(tm) \operatorname{Im} P_m` from the exact spectrum of the generator (e3nn
+    evaluates them with ``torch.matrix_exp``, which is off by up to about
+    :math:`2 \times 10^{-10}` for some angles: enough to fail an exactly equivariant
+    float64 model).
     """
-    (mx, vx), (my, vy) = _generator_spectra(l)
+    (mx, rx, ix), (my, ry, iy) = _generator_projectors(l)
+    n = 2 * l + 1
 
-    def exp(m: torch.Tensor, v: torch.Tensor, t: float) -> torch.Tensor:
-        return ((v * torch.exp(-1j * t * m)) @ v.conj().T).real
+    def exp(m: np.ndarray, re: np.ndarray, im: np.ndarray, t: float) -> np.ndarray:
+        return (np.cos(t * m) @ re + np.sin(t * m) @ im).reshape(n, n)
 
-    return exp(my, vy, alpha) @ exp(mx, vx, beta) @ exp(my, vy, gamma)
+    return torch.from_numpy(exp(my, ry, iy, alpha) @ exp(mx, rx, ix, beta) @ exp(my, ry, iy, gamma))
+
+
+def _rotation_y(t: float) -> np.ndarray:
+    c, s = math.cos(t), math.sin(t)
+    return np.array([[c, 0.0, s], [0.0, 1.0, 0.0], [-s, 0.0, c]])
+
+
+def _rotation_x(t: float) -> np.ndarray:
+    c, s = math.cos(t), math.sin(t)
+    return np.array([[1.0, 0.0, 0.0], [0.0, c, -s], [0.0, s, c]])
 
 
 class _Transformation:
@@ -123,21 +141,27 @@ class _Transformation:
     """
 
     def __init__(self, parity: int, translate: bool) -> None:
-        alpha, beta, gamma = o3.rand_angles(dtype=torch.float64)
+        u = torch.rand(3, dtype=torch.float64).tolist()  # Haar measure: alpha, gamma uniform, cos(beta) uniform
+        alpha, beta, gamma = 2 * math.pi * u[0], math.acos(2 * u[1] - 1), 2 * math.pi * u[2]
         self.parity = parity
-        self.angles = (float(alpha), float(beta), float(gamma))
-        self.matrix = (-1.0) ** parity * o3.angles_to_matrix(alpha, beta, gamma)
+        self.angles = (alpha, beta, gamma)
+        matrix = _rotation_y(alpha) @ _rotation_x(beta) @ _rotation_y(gamma)  # e3nn's angles_to_matrix
+        self.matrix = torch.from_numpy((-1.0) ** parity * matrix)
         self.shift = 10 * torch.randn(1, 3, dtype=torch.float64) if translate else None
         self._wigner: Dict[int, torch.Tensor] = {}
+        self._representations: Dict[o3.Irreps, torch.Tensor] = {}
 
     def representation(self, irreps: o3.Irreps) -> torch.Tensor:
         """The block-diagonal :math:`D(g)` of ``irreps``, ``[irreps.dim, irreps.dim]``."""
-        blocks = []
-        for mul, ir in irreps:
-            if ir.l not in self._wigner:
-                self._wigner[ir.l] = _wigner_D(ir.l, *self.angles)
-            blocks += [self._wigner[ir.l] * ir.p**self.parity] * mul
-        return torch.block_diag(*blocks) if blocks else torch.zeros(0, 0, dtype=torch.float64)
+        if irreps not in self._representations:
+            blocks = []
+            for mul, ir in irreps:
+                if ir.l not in self._wigner:
+                    self._wigner[ir.l] = _wigner_D(ir.l, *self.angles)
+                blocks += [self._wigner[ir.l] * ir.p**self.parity] * mul
+            empty = torch.zeros(0, 0, dtype=torch.float64)
+            self._representations[irreps] = torch.block_diag(*blocks) if blocks else empty
+        return self._representations[irreps]
 
     def act(self, x, spec: IrrepsSpec, name: str):
         """``x`` transformed according to ``spec`` (``None``: unchanged)."""

@@ -36,13 +36,21 @@ def fail(message: str):
     raise SystemExit(2)
 
 
+_AVAILABLE = {  # without touching the device: no CUDA context is created while parsing (torchrun ranks)
+    "cpu": lambda index: index in (None, 0),
+    "cuda": lambda index: torch.cuda.is_available() and (index or 0) < torch.cuda.device_count(),
+    "mps": lambda index: torch.backends.mps.is_available() and index in (None, 0),
+}
+
+
 def device(value: str) -> str:
-    """argparse type: a torch device usable on this machine (returned as given)."""
+    """argparse type: a torch device present on this machine (returned as given)."""
     try:
-        torch.empty(0, device=value)
-    except Exception as err:  # an unknown name (RuntimeError) or a backend that is missing here (several types)
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise argparse.ArgumentTypeError(f"{value!r} cannot be used on this machine ({reason}); try --device cpu")
+        parsed = torch.device(value)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a torch device (e.g. cuda, cuda:1); try --device cpu") from None
+    if parsed.type not in _AVAILABLE or not _AVAILABLE[parsed.type](parsed.index):
+        raise argparse.ArgumentTypeError(f"{value!r} is not available on this machine; try --device cpu")
     return value
 
 

@@ -45,14 +45,15 @@ def test_layer_names_the_argument_with_the_wrong_dtype():
     pos, f = graph_inputs()
     edge_index = e3attn.radius_graph(pos, 1.5)
     vec = pos[edge_index[0]] - pos[edge_index[1]]
+    layer_dtype = r"expected torch.float32 \(the dtype of the layer\)"
     cases = [
-        (lambda: layer(f.double(), pos), r"f has dtype torch.float64 but the layer computes in torch.float32"),
-        (lambda: layer(f.half(), pos.half()), r"f has dtype torch.float16 but the layer computes in torch.float32"),
-        (lambda: layer(f, pos.double()), r"pos has dtype torch.float64 but the layer computes in torch.float32"),
-        (lambda: layer(f, pos, edge_index, edge_vec=vec.double()), r"edge_vec has dtype torch.float64 but the layer"),
-        (lambda: layer(f, pos, edge_index, edge_vec=vec.long()), r"edge_vec must be a floating-point tensor, got "
-                                                                 r"dtype torch.int64"),
-        (lambda: layer.dense(f.double(), pos), r"f has dtype torch.float64 but the layer"),
+        (lambda: layer(f.double(), pos), "f has dtype torch.float64, " + layer_dtype),
+        (lambda: layer(f.half(), pos.half()), "f has dtype torch.float16, " + layer_dtype),
+        (lambda: layer(f, pos.double()), "pos has dtype torch.float64, " + layer_dtype),
+        (lambda: layer(f, pos, edge_index, edge_vec=vec.double()), "edge_vec has dtype torch.float64, " + layer_dtype),
+        (lambda: layer(f, pos, edge_index, edge_vec=vec.long()), "edge_vec must be a floating-point tensor, got "
+                                                                 "dtype torch.int64"),
+        (lambda: layer.dense(f.double(), pos), "f has dtype torch.float64, " + layer_dtype),
     ]
     for call, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -68,7 +69,8 @@ def test_models_and_modules_name_the_argument_with_the_wrong_dtype():
     edge_index = e3attn.radius_graph(pos, 1.5)
     vec = pos[edge_index[0]] - pos[edge_index[1]]
     cases = [
-        (lambda: model(pos.double(), node_attr=attr), "pos has dtype torch.float64 but the model computes in"),
+        (lambda: model(pos.double(), node_attr=attr), r"pos has dtype torch.float64, expected torch.float32 \(the dtype "
+                                                      r"of the model\): convert pos with .to\(torch.float32\)"),
         (lambda: model(pos, torch.ones(6, 1, dtype=torch.float64), node_attr=attr), "x has dtype torch.float64"),
         (lambda: model(pos, node_attr=attr.double()), "node_attr has dtype torch.float64"),
         (lambda: model(pos, None, None, edge_index, vec.double(), node_attr=attr), "edge_vec has dtype torch.float64"),
@@ -92,7 +94,7 @@ def test_models_and_modules_name_the_argument_with_the_wrong_dtype():
 def test_edge_vectors_names_a_cell_of_another_dtype():
     pos = torch.zeros(2, 3)
     edge_index, shifts = torch.tensor([[1], [0]]), torch.tensor([[1.0, 0.0, 0.0]])
-    with pytest.raises(ValueError, match="cell has dtype torch.float64 but pos computes in torch.float32"):
+    with pytest.raises(ValueError, match=r"cell has dtype torch.float64, expected torch.float32 \(the dtype of pos\)"):
         edge_vectors(pos, edge_index, shifts, torch.eye(3, dtype=torch.float64))
 
 

@@ -7,6 +7,7 @@ import torch
 from e3nn import o3
 
 from e3attn.testing import (
+    _default_dtype,
     _Transformation,
     assert_equivariant,
     assert_permutation_equivariant,
@@ -18,12 +19,14 @@ from e3attn.testing import (
 
 IRREPS_SH = o3.Irreps("1o + 2e + 3o")
 IRREPS_X = o3.Irreps("2x1o + 1x2e + 1x0o")
+with _default_dtype(torch.float64):  # e3nn makes its constants in the default dtype
+    HARMONICS = o3.SphericalHarmonics(IRREPS_SH, normalize=True, normalization="component")
 
 
 def exact_model(pos, x):
-    """Exactly equivariant in float64: harmonics of relative vectors, and features scaled by an invariant."""
+    """Exactly equivariant in float64: e3nn's harmonics of relative vectors, and features scaled by an invariant."""
     r = pos[1:] - pos[:1]
-    return o3.spherical_harmonics(IRREPS_SH, r, normalize=True), x * r.norm(dim=1, keepdim=True)
+    return HARMONICS(r), x * r.norm(dim=1, keepdim=True)
 
 
 def exact_inputs(dtype=torch.float64):
