@@ -22,7 +22,7 @@ from e3attn import (
     split_heads,
 )
 from e3attn.models import EquivariantLayerNorm, EquivariantTransformer, edge_vectors, energy_and_forces
-from e3attn.viz import attention_centrality, sparsify
+from e3attn.viz import attention_centrality, attention_matrix, sparsify
 
 IRREPS = "4x0e + 2x1o"
 
@@ -245,6 +245,7 @@ def test_moderate_temperatures_unchanged():
         (lambda: EquivariantLayerNorm("2x0e", eps=True), "eps must be a positive finite number"),
         (lambda: sparsify(torch.tensor([[0], [1]]), torch.ones(1), top_k=True), "top_k must be a non-negative"),
         (lambda: attention_centrality(torch.tensor([[0], [1]]), torch.ones(1), 2, max_iter=True), "max_iter must be"),
+        (lambda: attention_matrix(torch.tensor([[0], [1]]), torch.ones(1), True), "num_nodes must be a non-negative"),
     ],
 )
 def test_booleans_are_never_numbers(build, match):

@@ -472,7 +472,8 @@ def test_record_attention_rejects_models_without_attention():
 # ----------------------------------------------------------------------------- example
 
 
-def test_example_writes_the_three_figures(tmp_path):
+def test_example_writes_the_three_figures(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLE.parent))  # as when the script runs: it imports examples/_common.py
     spec = importlib.util.spec_from_file_location("attention_graph_example", EXAMPLE)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
