@@ -1,18 +1,77 @@
 """Input validation shared by the public functions: clear errors naming the argument.
 
+Numbers: Python and NumPy numbers are accepted alike and returned as Python ``int``/``float``;
+booleans (Python or NumPy) are never numbers. Tensors: the dtype of every argument is checked at the
+public entry points, before any internal operation, so a mismatch names the argument.
+
 Checks of tensor *values* (finite positions, indices in range) need the data on the host; they are
 skipped while ``torch.compile`` traces (shapes and dtypes are still checked), see :func:`_tracing`.
 """
 from __future__ import annotations
 
-from typing import Optional
+import math
+import numbers
+from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 
 
 def _tracing() -> bool:
     """Whether ``torch.compile`` is tracing: value checks would be data-dependent branches."""
     return torch.compiler.is_compiling()
+
+
+def check_int(value: Any, name: str, minimum: int = 0) -> int:
+    """``value`` (a Python or NumPy integer, at least ``minimum``) as a Python ``int``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value < minimum:
+        expected = {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer >= {minimum}")
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    return int(value)
+
+
+def check_real(
+    value: Any, name: str, expected: str = "a number", valid: Callable[[float], bool] = lambda x: not math.isnan(x)
+) -> float:
+    """``value`` (a Python or NumPy real number for which ``valid`` holds) as a Python ``float``.
+
+    ``expected`` describes the valid values in the error, e.g. ``"a positive finite number"``.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not valid(float(value)):
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    return float(value)
+
+
+def check_positive(value: Any, name: str) -> float:
+    """``value`` as a positive finite Python ``float`` (see :func:`check_real`)."""
+    return check_real(value, name, "a positive finite number", lambda x: 0.0 < x < math.inf)
+
+
+def check_floating(x: torch.Tensor, name: str) -> None:
+    """``x`` must be a floating-point tensor."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+
+
+def check_dtype(x: torch.Tensor, name: str, expected: torch.dtype, owner: str = "the module") -> None:
+    """``x`` must have the dtype ``expected`` of ``owner`` (e.g. "the layer", whose parameters have it)."""
+    if x.dtype != expected:
+        raise ValueError(
+            f"{name} has dtype {x.dtype}, expected {expected} (the dtype of {owner}): "
+            f"convert {name} with .to({expected}) or {owner} with .to({x.dtype})"
+        )
+
+
+def check_radius_fits(max_radius: float, dtype: torch.dtype, name: str = "max_radius") -> None:
+    """Distances up to ``max_radius`` must have finite squares in ``dtype`` (vector norms square them)."""
+    limit = torch.finfo(dtype).max ** 0.5 / 2
+    if max_radius > limit:
+        raise ValueError(
+            f"{name} = {max_radius:.3g} is too large for {dtype}: squared distances overflow from "
+            f"{2 * limit:.3g} on (largest usable {name}: {limit:.3g}); rescale the positions or use float64"
+        )
 
 
 def check_pos(pos: torch.Tensor, name: str = "pos") -> None:
@@ -74,5 +133,7 @@ def check_edge_vec(edge_vec: torch.Tensor, num_edges: int, name: str = "edge_vec
         raise TypeError(f"{name} must be a torch.Tensor of shape [E, 3], got {type(edge_vec).__name__}")
     if edge_vec.dim() != 2 or edge_vec.shape[1] != 3 or edge_vec.shape[0] != num_edges:
         raise ValueError(f"{name} must have shape [{num_edges}, 3] (one vector per edge), got {list(edge_vec.shape)}")
+    if not edge_vec.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got dtype {edge_vec.dtype}")
     if not _tracing() and not bool(torch.isfinite(edge_vec).all()):
         raise ValueError(f"{name} contains NaN or infinite values")

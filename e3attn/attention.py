@@ -8,7 +8,16 @@ import torch
 import torch.utils.hooks
 from e3nn import o3
 
-from ._checks import check_batch, check_edge_index, check_edge_vec, check_features, check_pos
+from ._checks import (
+    check_batch,
+    check_dtype,
+    check_edge_index,
+    check_edge_vec,
+    check_features,
+    check_int,
+    check_pos,
+    check_radius_fits,
+)
 from ._irreps import IrrepsLike, as_irreps
 from .graph import radius_graph
 from .heads import MultiHeadDot, scale_heads, split_heads
@@ -56,7 +65,15 @@ class EquivariantAttention(torch.nn.Module):
 
     The cutoff :math:`c_e` and the embedding vanish smoothly at
     :math:`r_\mathrm{max}`, so the output is a smooth function of the
-    positions even as edges appear and disappear.
+    positions even as edges appear and disappear. The one exception is two
+    coincident points (:math:`r_e = 0`): :math:`c_e` is linear in :math:`r_e`
+    there and :math:`r_e = |\vec x_j - \vec x_i|` has a kink, so first
+    derivatives (forces) are finite but second derivatives in the positions
+    (training on forces, Hessians) are NaN, as in the e3nn guide.
+
+    Inputs must share the dtype of the parameters (an error names the
+    argument otherwise), and ``max_radius`` must have a finite square in that
+    dtype (up to about :math:`9 \times 10^{18}` in float32).
 
     Args:
         irreps_input: irreps of the node features :math:`f`.
@@ -108,8 +125,8 @@ class EquivariantAttention(torch.nn.Module):
         self.irreps_query = as_irreps(irreps_query, "irreps_query")
         self.irreps_key = as_irreps(irreps_key, "irreps_key")
         self.irreps_output = as_irreps(irreps_output, "irreps_output")
-        if not isinstance(lmax, int) or lmax < 0:
-            raise ValueError(f"lmax must be a non-negative int, got {lmax!r}")
+        lmax = check_int(lmax, "lmax")
+        num_heads = check_int(num_heads, "num_heads", 1)
         if aggregation not in self.AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {self.AGGREGATIONS}, got {aggregation!r}")
         for name, irreps in [("irreps_query", self.irreps_query), ("irreps_key", self.irreps_key),
@@ -123,6 +140,7 @@ class EquivariantAttention(torch.nn.Module):
 
         self.embedding = RadialEmbedding(number_of_basis, max_radius, basis)
         self.max_radius = self.embedding.max_radius
+        check_radius_fits(self.max_radius, torch.float64)
         self.sh = SphericalHarmonics(lmax)
         self.tp = SphericalTensorProduct(self.irreps_input, self.irreps_sh, [self.irreps_key, self.irreps_output])
         self.radial = RadialMLP(number_of_basis, radial_neurons, self.tp.weight_numel)
@@ -162,10 +180,7 @@ class EquivariantAttention(torch.nn.Module):
         ``edge_vec`` overrides ``pos[src] - pos[dst]`` (e.g. periodic images);
         it needs an explicit ``edge_index``.
         """
-        check_pos(pos)
-        num_nodes = pos.shape[0]
-        check_features(f, self._input[0], num_nodes, "f", self._input[1])
-        check_batch(batch, num_nodes)
+        num_nodes = self._check_inputs(f, pos, batch)
         if edge_index is None:
             if edge_vec is not None:
                 raise ValueError("edge_vec was given without edge_index: pass the edge_index it belongs to")
@@ -177,6 +192,7 @@ class EquivariantAttention(torch.nn.Module):
             edge_vec = _edge_vectors(pos, src, dst)
         else:
             check_edge_vec(edge_vec, src.shape[0])
+            check_dtype(edge_vec, "edge_vec", pos.dtype, "the layer")
 
         q, k, v, log_c = self._edge_terms(f, f, edge_vec, src)
         logits = (q.index_select(0, dst) * k).sum(-1) + log_c[:, None]  # [E, H]
@@ -189,6 +205,18 @@ class EquivariantAttention(torch.nn.Module):
         if return_attention:
             return out, alpha
         return out
+
+    def _check_inputs(self, f: torch.Tensor, pos: torch.Tensor, batch: Optional[torch.Tensor]) -> int:
+        """Validate ``f``, ``pos`` and ``batch`` (shapes, and dtypes against the parameters); the number of nodes."""
+        check_pos(pos)
+        num_nodes = pos.shape[0]
+        check_features(f, self._input[0], num_nodes, "f", self._input[1])
+        dtype = self.radial.weight1.dtype
+        check_dtype(f, "f", dtype, "the layer")
+        check_dtype(pos, "pos", dtype, "the layer")
+        check_radius_fits(self.max_radius, dtype)
+        check_batch(batch, num_nodes)
+        return num_nodes
 
     def _edge_terms(
         self, f: torch.Tensor, f_src: torch.Tensor, edge_vec: torch.Tensor, src: Optional[torch.Tensor] = None
@@ -218,10 +246,7 @@ class EquivariantAttention(torch.nn.Module):
         Shapes:
             ``f [N, irreps_input.dim]``, ``pos [N, 3]``, ``batch [N]`` to ``[N, irreps_output.dim]``.
         """
-        check_pos(pos)
-        n = pos.shape[0]
-        check_features(f, self._input[0], n, "f", self._input[1])
-        check_batch(batch, n)
+        n = self._check_inputs(f, pos, batch)
         edge_vec = (pos[None, :, :] - pos[:, None, :]).reshape(n * n, 3)  # row i (dst), column j (src)
         q, k, v, log_c = self._edge_terms(f, f, edge_vec, torch.arange(n, device=pos.device).repeat(n))
         h = self.num_heads

@@ -7,6 +7,7 @@ from typing import Sequence
 import torch
 from e3nn import o3
 
+from ._checks import check_dtype, check_int
 from ._irreps import IrrepsLike, as_irreps, entries, split_entries
 
 __all__ = ["split_heads", "head_index", "scale_heads", "MultiHeadDot"]
@@ -21,8 +22,7 @@ def split_heads(irreps: IrrepsLike, num_heads: int, name: str = "irreps") -> o3.
         ValueError: naming ``name`` when a multiplicity is not divisible by ``num_heads``.
     """
     irreps = as_irreps(irreps, name)
-    if not isinstance(num_heads, int) or num_heads < 1:
-        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+    num_heads = check_int(num_heads, "num_heads", 1)
     bad = [f"{mul}x{ir}" for mul, ir in irreps if mul % num_heads]
     if bad:
         raise ValueError(
@@ -112,7 +112,7 @@ class MultiHeadDot(torch.nn.Module):
 
     def __init__(self, irreps_query: IrrepsLike, irreps_key: IrrepsLike, num_heads: int = 1) -> None:
         super().__init__()
-        self.num_heads = num_heads
+        self.num_heads = num_heads = check_int(num_heads, "num_heads", 1)
         self.irreps_query = as_irreps(irreps_query, "irreps_query")
         self.irreps_key = as_irreps(irreps_key, "irreps_key")
         self._q = entries(self.irreps_query)
@@ -136,6 +136,7 @@ class MultiHeadDot(torch.nn.Module):
 
     def project_query(self, q: torch.Tensor) -> torch.Tensor:
         """Apply the weights to the queries, in the layout of :meth:`key_heads`."""
+        check_dtype(q, "q", self.weight.dtype, "the module")
         n, h = q.shape[0], self.num_heads
         qs = [x.reshape(n, h, x.shape[1] // h, x.shape[2]) for x in split_entries(q, self._q)]
         outs = [q.new_zeros(n, h, mul // h, 2 * l + 1) for mul, l, _ in self._k]

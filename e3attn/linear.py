@@ -6,6 +6,7 @@ from typing import List
 
 import torch
 
+from ._checks import check_dtype
 from ._irreps import IrrepsLike, as_irreps, entries, split_entries
 
 __all__ = ["IrrepsLinear"]
@@ -55,6 +56,7 @@ class IrrepsLinear(torch.nn.Module):
         self._norm = [1.0 / math.sqrt(n) if n > 0 else 0.0 for n in fan_in]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_dtype(x, "x", self.weight.dtype, "the module")
         xs = split_entries(x, self._in)
         ws = self.weight.split(self._sizes)
         outs: List[torch.Tensor] = [x.new_zeros(x.shape[0], mul, 2 * l + 1) for mul, l, _ in self._out]

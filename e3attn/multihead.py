@@ -35,17 +35,12 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from ._checks import check_dtype, check_int, check_real
 from .plain import dense_attention, graph_attention
 
 __all__ = ["MultiHeadAttention", "GraphMultiHeadAttention"]
 
 _COMBINE = ("concat", "gaan")
-
-
-def _positive_int(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
 
 
 class _MultiHeadBase(torch.nn.Module):
@@ -64,22 +59,20 @@ class _MultiHeadBase(torch.nn.Module):
         bias: bool = True,
     ) -> None:
         super().__init__()
-        embed_dim = _positive_int("embed_dim", embed_dim)
-        num_heads = _positive_int("num_heads", num_heads)
+        embed_dim, num_heads = check_int(embed_dim, "embed_dim", 1), check_int(num_heads, "num_heads", 1)
         if combine not in _COMBINE:
             raise ValueError(f"combine must be one of {_COMBINE}, got {combine!r}")
         if head_dim is None and combine == "concat" and embed_dim % num_heads:
             raise ValueError(
                 f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}) when head_dim is not given"
             )
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
-            raise ValueError(f"dropout must be a probability in [0, 1), got {dropout!r}")
-        self.embed_dim, self.num_heads, self.combine, self.dropout = embed_dim, num_heads, combine, float(dropout)
+        dropout = check_real(dropout, "dropout", "a probability in [0, 1)", lambda p: 0 <= p < 1)
+        self.embed_dim, self.num_heads, self.combine, self.dropout = embed_dim, num_heads, combine, dropout
         if head_dim is None:
             head_dim = embed_dim // num_heads if combine == "concat" else embed_dim
-        self.head_dim = _positive_int("head_dim", head_dim)
-        self.kdim = embed_dim if kdim is None else _positive_int("kdim", kdim)
-        self.vdim = embed_dim if vdim is None else _positive_int("vdim", vdim)
+        self.head_dim = check_int(head_dim, "head_dim", 1)
+        self.kdim = embed_dim if kdim is None else check_int(kdim, "kdim", 1)
+        self.vdim = embed_dim if vdim is None else check_int(vdim, "vdim", 1)
         width = num_heads * self.head_dim
         self.q_proj = torch.nn.Linear(embed_dim, width, bias=bias)
         self.k_proj = torch.nn.Linear(self.kdim, width, bias=bias)
@@ -113,6 +106,7 @@ class _MultiHeadBase(torch.nn.Module):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
             if x.dim() < 2 or (rows == "nodes" and x.dim() != 2) or x.shape[-1] != dim:
                 raise ValueError(f"{name} must have shape [{rows}, {dim}], got {list(x.shape)}")
+            check_dtype(x, name, self.q_proj.weight.dtype, "the module")
         if key.shape[:-1] != value.shape[:-1]:
             raise ValueError(
                 f"key and value must have the same leading shape, got {list(key.shape)} and {list(value.shape)}"

@@ -23,7 +23,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from ._checks import check_edge_index
+from ._checks import check_edge_index, check_real
 from .scatter import scatter_max, scatter_sum, segment_softmax
 
 __all__ = ["dense_attention", "graph_attention"]
@@ -31,16 +31,21 @@ __all__ = ["dense_attention", "graph_attention"]
 _NEG_INF = float("-inf")
 
 
-def _check_temperature(temperature: float) -> None:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise ValueError(f"temperature must be a number in [0, inf], got {temperature!r}")
-    if math.isnan(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be in [0, inf] (0 = hard attention, inf = uniform), got {temperature}")
+def _check_temperature(temperature: float, dtype: torch.dtype) -> float:
+    """``temperature`` as a float: 0, inf, or a normal number of ``dtype`` (so that dividing by it is exact)."""
+    t = check_real(temperature, "temperature", "a number in [0, inf] (0 = hard attention, inf = uniform)",
+                   lambda x: x >= 0)
+    info = torch.finfo(dtype)
+    if t != 0 and not math.isinf(t) and not info.tiny <= t <= info.max:
+        raise ValueError(
+            f"temperature = {t:.3g} is outside the normal range of {dtype} [{info.tiny:.3g}, {info.max:.3g}]: "
+            "use temperature=0 (hard attention) or inf (uniform), the limits, or compute in float64"
+        )
+    return t
 
 
-def _check_dropout(dropout_p: float) -> None:
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p <= 1:
-        raise ValueError(f"dropout_p must be a probability in [0, 1], got {dropout_p!r}")
+def _check_dropout(dropout_p: float) -> float:
+    return check_real(dropout_p, "dropout_p", "a probability in [0, 1]", lambda p: 0 <= p <= 1)
 
 
 def _check_float(name: str, x: torch.Tensor, min_dim: int) -> None:
@@ -56,7 +61,7 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, min_dim: int) 
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_float(name, x, min_dim)
     if not q.dtype == k.dtype == v.dtype:
-        raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
+        raise ValueError(f"q, k and v must share a dtype, got q {q.dtype}, k {k.dtype} and v {v.dtype}")
     if q.shape[-1] == 0 or q.shape[-1] != k.shape[-1]:
         raise ValueError(
             "q and k must share a non-empty feature dimension d (last axis), "
@@ -65,29 +70,33 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, min_dim: int) 
 
 
 def _scaled(q: torch.Tensor, temperature: float) -> torch.Tensor:
-    r"""``q`` divided by :math:`\sqrt{d}\,T` (cheaper than dividing all the logits); unscaled in the limits."""
+    r"""``q`` divided by :math:`\sqrt{d}` (cheaper than dividing all the logits); unscaled in the limits."""
     if temperature == 0 or math.isinf(temperature):
         return q
-    return q / (math.sqrt(q.shape[-1]) * temperature)
+    return q / math.sqrt(q.shape[-1])
 
 
-def _limit_logits(
-    s: torch.Tensor, temperature: float, group_max: Callable[[torch.Tensor], torch.Tensor]
-) -> torch.Tensor:
-    r"""Logits whose softmax is the limit :math:`T \to 0` or :math:`T = \infty`; ``s`` itself otherwise.
+def _logits(s: torch.Tensor, temperature: float, group_max: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    r"""Logits :math:`s / T` whose softmax is the attention, the limits :math:`T = 0, \infty` included.
 
-    ``s`` holds the logits with ``-inf`` for excluded entries; ``group_max``
-    returns, for every entry, the maximum of the entries it competes with. In the
-    limits the logits become ``0`` for the entries that keep a share (the maxima,
-    or all allowed entries) and ``-inf`` for the others.
+    ``s`` holds the scores :math:`q \cdot k / \sqrt{d}` with ``-inf`` for excluded entries;
+    ``group_max`` returns, for every entry, the maximum of the entries it competes with.
+    For :math:`T \ne 1` the (detached) maximum is subtracted before dividing, which leaves
+    the softmax and its gradient unchanged but keeps every logit :math:`\le 0`: a tiny
+    :math:`T` cannot overflow to :math:`\infty - \infty`. In the limits the logits become
+    ``0`` for the entries that keep a share (the maxima, or all allowed entries) and
+    ``-inf`` for the others.
     """
     if math.isinf(temperature):
         return torch.zeros_like(s).masked_fill(s == _NEG_INF, _NEG_INF)
+    if temperature == 1:
+        return s
+    top = group_max(s.detach())
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # groups with nothing allowed
     if temperature == 0:
-        s = s.detach()
-        keep = (s == group_max(s)) & (s != _NEG_INF)
+        keep = (s.detach() == top) & (s != _NEG_INF)
         return torch.zeros_like(s).masked_fill(~keep, _NEG_INF)
-    return s
+    return (s - top) / temperature
 
 
 def _dropout(weights: torch.Tensor, dropout_p: float) -> torch.Tensor:
@@ -113,9 +122,10 @@ def dense_attention(
         \qquad s_{ij} = \frac{q_i \cdot k_j}{\sqrt{d}},
         \qquad \mathrm{out}_i = \sum_j w_{ij}\, v_j
 
-    with :math:`m_{ij} \in \{0, 1\}` the mask. The softmax subtracts each row's
-    maximum, so large logits (:math:`|s| \sim 10^4`) neither overflow nor give
-    NaN; a row with nothing to attend to gets :math:`w_{i\cdot} = 0` and
+    with :math:`m_{ij} \in \{0, 1\}` the mask. Each row's maximum score is
+    subtracted before dividing by :math:`T`, so large logits (:math:`|s| \sim 10^4`)
+    and tiny temperatures (:math:`T = 10^{-30}`: one-hot weights) neither overflow
+    nor give NaN; a row with nothing to attend to gets :math:`w_{i\cdot} = 0` and
     :math:`\mathrm{out}_i = 0`.
 
     The two limits of the temperature are evaluated exactly:
@@ -136,7 +146,9 @@ def dense_attention(
         v: ``[..., M, dv]`` values.
         mask: optional boolean tensor broadcastable to ``[..., N, M]``;
             ``True`` means query ``i`` may attend to key ``j``.
-        temperature: :math:`T \in [0, \infty]`, ``float("inf")`` included.
+        temperature: :math:`T \in [0, \infty]`, ``float("inf")`` included; a
+            finite :math:`T > 0` must be a normal number of the dtype of ``q``
+            (at least :math:`1.2 \times 10^{-38}` in float32), else ValueError.
         dropout_p: probability of zeroing an attention weight (the kept ones
             are scaled by :math:`1 / (1 - p)`), as in ``torch.nn.MultiheadAttention``.
 
@@ -155,8 +167,8 @@ def dense_attention(
         tensor([[0.3639]])
     """
     _check_qkv(q, k, v, 2)
-    _check_temperature(temperature)
-    _check_dropout(dropout_p)
+    temperature = _check_temperature(temperature, q.dtype)
+    dropout_p = _check_dropout(dropout_p)
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(
             f"k and v must hold the same number of keys M (axis -2), got {list(k.shape)} and {list(v.shape)}"
@@ -179,7 +191,7 @@ def dense_attention(
                 f"mask must broadcast to [..., N, M] = {list(batch + s.shape[-2:])}, got shape {list(mask.shape)}"
             ) from None
         s = torch.where(mask, s, _NEG_INF)
-    logits = _limit_logits(s, temperature, lambda x: x.amax(dim=-1, keepdim=True))
+    logits = _logits(s, temperature, lambda x: x.amax(dim=-1, keepdim=True))
     empty = None if mask is None else ~mask.any(dim=-1, keepdim=True)
     if empty is None or not bool(empty.any()):
         weights = torch.softmax(logits, dim=-1)
@@ -220,7 +232,7 @@ def graph_attention(
         v: ``[M, dv]`` or ``[M, H, dv]`` values of the source nodes.
         edge_index: ``[2, E]`` integer tensor, row 0 the source
             (in ``[0, M)``), row 1 the destination (in ``[0, N)``).
-        temperature: :math:`T \in [0, \infty]`.
+        temperature: :math:`T \in [0, \infty]`, as for :func:`dense_attention`.
         dropout_p: probability of zeroing an attention weight (kept ones scaled
             by :math:`1 / (1 - p)`).
 
@@ -243,8 +255,8 @@ def graph_attention(
                 [1.]])
     """
     _check_qkv(q, k, v, 2)
-    _check_temperature(temperature)
-    _check_dropout(dropout_p)
+    temperature = _check_temperature(temperature, q.dtype)
+    dropout_p = _check_dropout(dropout_p)
     if q.dim() > 3 or not q.dim() == k.dim() == v.dim():
         raise ValueError(
             "q, k and v must all be [nodes, d] or all [nodes, H, d], "
@@ -268,6 +280,6 @@ def graph_attention(
             f"and destinations (row 1) < N = {num_dst} (rows of q)"
         )
     s = (_scaled(q, temperature)[dst] * k[src]).sum(dim=-1)
-    logits = _limit_logits(s, temperature, lambda x: scatter_max(x, dst, num_dst)[dst])
+    logits = _logits(s, temperature, lambda x: scatter_max(x, dst, num_dst)[dst])
     alpha = _dropout(segment_softmax(logits, dst, num_dst), dropout_p)
     return scatter_sum(alpha.unsqueeze(-1) * v[src], dst, num_dst), alpha

@@ -7,6 +7,7 @@ from typing import List, Sequence
 import numpy as np
 import torch
 
+from ._checks import check_dtype, check_floating, check_int, check_positive
 from ._constants import Float64ConstantsModule
 
 __all__ = ["soft_unit_step", "log_soft_unit_step", "cutoff_weight", "RadialEmbedding", "RadialMLP"]
@@ -17,10 +18,17 @@ _GAUSSIAN_NORM = 1.0 / 1.12
 _ENVELOPE_P = 6
 
 
+# Below this, u(x) = exp(-1/x) and u'(x) = exp(-1/x) / x^2 are exactly 0 even in float64 (exp(-800) underflows).
+_SOFT_STEP_FLOOR = 1.0 / 800
+
+
 def log_soft_unit_step(x: torch.Tensor) -> torch.Tensor:
     r"""Logarithm of :func:`soft_unit_step`: :math:`-1/x` for :math:`x > 0`, :math:`-\infty` otherwise.
 
-    The gradient is finite everywhere (0 where :math:`x \le 0`).
+    The gradient :math:`1/x^2` is 0 where :math:`x \le 0` and finite wherever it is
+    representable (:math:`x` above about :math:`5 \times 10^{-20}` in float32; in
+    :class:`~e3attn.EquivariantAttention` :math:`x = 10 (1 - r / r_\mathrm{max})` is either
+    0 or far above that).
     """
     positive = x > 0
     safe = torch.where(positive, x, torch.ones_like(x))
@@ -33,14 +41,19 @@ def soft_unit_step(x: torch.Tensor) -> torch.Tensor:
     .. math:: u(x) = \begin{cases} e^{-1/x} & x > 0 \\ 0 & x \le 0 \end{cases}
 
     Every derivative vanishes at :math:`x = 0`, so anything multiplied by
-    :math:`u` switches on and off smoothly. Gradients are finite everywhere.
+    :math:`u` switches on and off smoothly. Gradients are finite everywhere:
+    below :math:`x = 1/800`, where :math:`u` and :math:`u'` underflow to exactly 0
+    in float64 and float32, both are set to 0 (the naive :math:`e^{-1/x} / x^2`
+    would be :math:`0 \cdot \infty` = NaN for :math:`x < 10^{-19}` in float32).
 
     Example::
 
         >>> soft_unit_step(torch.tensor([-1.0, 0.0, 1.0]))
         tensor([0.0000, 0.0000, 0.3679])
     """
-    return log_soft_unit_step(x).exp()
+    on = x > _SOFT_STEP_FLOOR
+    safe = torch.where(on, x, torch.ones_like(x))
+    return torch.where(on, torch.exp(-1.0 / safe), torch.zeros_like(x))
 
 
 def cutoff_weight(r: torch.Tensor, max_radius: float) -> torch.Tensor:
@@ -48,10 +61,14 @@ def cutoff_weight(r: torch.Tensor, max_radius: float) -> torch.Tensor:
 
     .. math:: w(r) = u\!\left(10 \left(1 - \frac{r}{r_\mathrm{max}}\right)\right)
 
-    with :math:`u` the :func:`soft_unit_step`: 1 far inside, exactly 0 from
-    :math:`r_\mathrm{max}` on, and infinitely differentiable in between.
+    with :math:`u` the :func:`soft_unit_step`: :math:`e^{-0.1}` at :math:`r = 0`,
+    exactly 0 from :math:`r_\mathrm{max}` on, and infinitely differentiable in
+    :math:`r` in between. At :math:`r = 0` its slope
+    :math:`w'(0) = -e^{-0.1} / (10\, r_\mathrm{max})` is not zero: as a function of
+    two positions with :math:`r = |\vec x_j - \vec x_i|` it has a kink where the points
+    coincide (finite first, NaN second derivatives there).
     """
-    return soft_unit_step(10.0 * (1.0 - r / max_radius))
+    return soft_unit_step(10.0 * (1.0 - r / check_positive(max_radius, "max_radius")))
 
 
 def _polynomial_envelope(d: torch.Tensor, p: int = _ENVELOPE_P) -> torch.Tensor:
@@ -103,14 +120,12 @@ class RadialEmbedding(Float64ConstantsModule):
 
     def __init__(self, number_of_basis: int, max_radius: float, basis: str = "smooth_finite") -> None:
         super().__init__()
-        if not isinstance(number_of_basis, int) or number_of_basis < 1:
-            raise ValueError(f"number_of_basis must be a positive int, got {number_of_basis!r}")
-        if not (isinstance(max_radius, (int, float)) and math.isfinite(max_radius) and max_radius > 0):
-            raise ValueError(f"max_radius must be a positive finite number, got {max_radius!r}")
+        number_of_basis = check_int(number_of_basis, "number_of_basis", 1)
+        max_radius = check_positive(max_radius, "max_radius")
         if basis not in self.BASES:
             raise ValueError(f"basis must be one of {self.BASES}, got {basis!r}")
         self.number_of_basis = number_of_basis
-        self.max_radius = float(max_radius)
+        self.max_radius = max_radius
         self.basis = basis
         n, rmax = number_of_basis, self.max_radius
         if basis == "smooth_finite":
@@ -128,6 +143,7 @@ class RadialEmbedding(Float64ConstantsModule):
         return f"number_of_basis={self.number_of_basis}, max_radius={self.max_radius}, basis={self.basis!r}"
 
     def forward(self, r: torch.Tensor) -> torch.Tensor:
+        check_floating(r, "r")
         centers = self.constant("centers", r.dtype)
         if self.basis == "smooth_finite":
             # u(d + 1) u(1 - d) = exp(-1/(1 + d) - 1/(1 - d)) = exp(-2 / (1 - d^2)) for |d| < 1, else 0
@@ -189,12 +205,10 @@ class RadialMLP(torch.nn.Module):
 
     def __init__(self, number_of_basis: int, hidden: int, outputs: Sequence[int]) -> None:
         super().__init__()
-        if not isinstance(hidden, int) or hidden < 1:
-            raise ValueError(f"radial_neurons must be a positive int, got {hidden!r}")
-        self.number_of_basis = number_of_basis
-        self.hidden = hidden
-        self.outputs = list(outputs)
-        self.weight1 = torch.nn.Parameter(torch.randn(number_of_basis, hidden * len(self.outputs)))
+        self.number_of_basis = check_int(number_of_basis, "number_of_basis", 1)
+        self.hidden = hidden = check_int(hidden, "radial_neurons", 1)
+        self.outputs = [check_int(n, f"outputs[{i}]") for i, n in enumerate(outputs)]
+        self.weight1 = torch.nn.Parameter(torch.randn(self.number_of_basis, hidden * len(self.outputs)))
         self.weight2 = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(hidden, n)) for n in self.outputs])
 
     def forward(self, emb: torch.Tensor) -> List[torch.Tensor]:
@@ -205,6 +219,7 @@ class RadialMLP(torch.nn.Module):
 
         ``forward(emb)[t] == hidden_features(emb)[t] @ output_layers()[t]``.
         """
+        check_dtype(emb, "emb", self.weight1.dtype, "the module")
         h = torch.nn.functional.silu(emb @ (self.weight1 / math.sqrt(self.number_of_basis))) * _SILU_NORM
         return list(h.split(self.hidden, dim=1))
 

@@ -6,6 +6,7 @@ from typing import List, Tuple
 import torch
 from e3nn import o3
 
+from ._checks import check_floating, check_int
 from ._constants import Float64ConstantsModule
 
 __all__ = ["SphericalHarmonics"]
@@ -51,9 +52,7 @@ class SphericalHarmonics(Float64ConstantsModule):
 
     def __init__(self, lmax: int) -> None:
         super().__init__()
-        if not isinstance(lmax, int) or lmax < 0:
-            raise ValueError(f"lmax must be a non-negative int, got {lmax!r}")
-        self.lmax = lmax
+        self.lmax = lmax = check_int(lmax, "lmax")
         gen = torch.Generator().manual_seed(0)
         blocks, parents, variables = [], [], []
         for l in range(lmax + 1):
@@ -76,6 +75,7 @@ class SphericalHarmonics(Float64ConstantsModule):
         return f"lmax={self.lmax}"
 
     def forward(self, vectors: torch.Tensor) -> torch.Tensor:
+        check_floating(vectors, "vectors")
         shape = vectors.shape[:-1]
         u = torch.nn.functional.normalize(vectors.reshape(-1, 3), dim=-1).T  # [3, E]: rows are long vectors
         monomials = [torch.ones_like(u[:1])]

@@ -37,6 +37,8 @@ from e3attn.viz import (
     record_attention,
 )
 
+import _common  # examples/_common.py: the script's folder is on sys.path
+
 # Ethanol (CH3-CH2-OH), coordinates in angstrom.
 SYMBOLS = ["C", "C", "O", "H", "H", "H", "H", "H", "H"]
 POSITIONS = [
@@ -68,14 +70,21 @@ class TwoLayerAttention(torch.nn.Module):
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("attention_graph_out"))
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--heads", type=int, default=2)
-    parser.add_argument("--max-radius", type=float, default=2.5, help="attention cutoff in angstrom")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = _common.ArgumentParser(__doc__)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("attention_graph_out"),
+                        help="folder for the three figures (default: attention_graph_out)")
+    parser.add_argument("--device", type=_common.device, default="cpu", help="torch device (default: cpu)")
+    parser.add_argument("--heads", type=_common.positive_int, default=2,
+                        help="attention heads (default: 2; must divide 4, or 2 with --smoke)")
+    parser.add_argument("--max-radius", type=_common.positive_float, default=2.5,
+                        help="attention cutoff in angstrom (default: 2.5)")
+    parser.add_argument("--seed", type=_common.non_negative_int, default=0, help="random seed (default: 0)")
     parser.add_argument("--smoke", action="store_true", help="small layers and low-resolution figures (for tests)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    smallest = 2 if args.smoke else 4  # the smallest multiplicity of the hidden irreps
+    if smallest % args.heads:
+        parser.error(f"--heads {args.heads} must divide {smallest}, the smallest multiplicity of the hidden irreps")
+    return args
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, pathlib.Path]:

@@ -217,18 +217,20 @@ def init_distributed(args):
 
 def parse_args(argv=None):
     p = _common.parser(__doc__)
-    p.add_argument("--train", type=int, default=240, help="training structures")
-    p.add_argument("--test", type=int, default=60, help="held-out structures")
-    p.add_argument("--epochs", type=int, default=30)
-    p.add_argument("--batch-size", type=int, default=8, help="structures per batch (per process with --ddp)")
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--force-weight", type=float, default=0.1,
+    p.add_argument("--train", type=_common.positive_int, default=240, help="training structures")
+    p.add_argument("--test", type=_common.positive_int, default=60, help="held-out structures")
+    p.add_argument("--epochs", type=_common.positive_int, default=30, help="passes over the training set")
+    p.add_argument("--batch-size", type=_common.positive_int, default=8,
+                   help="structures per batch (per process with --ddp)")
+    p.add_argument("--lr", type=_common.positive_float, default=1e-2, help="Adam learning rate (cosine schedule)")
+    p.add_argument("--force-weight", type=_common.non_negative_float, default=0.1,
                    help="weight of the force term; the energy-per-atom term has weight 1")
-    p.add_argument("--max-radius", type=float, default=4.0, help="cutoff in Angstrom")
-    p.add_argument("--hidden", default="16x0e + 8x1o", help="hidden irreps")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lmax", type=int, default=2)
+    p.add_argument("--max-radius", type=_common.positive_float, default=4.0, help="cutoff in Angstrom")
+    p.add_argument("--hidden", type=_common.irreps, default="16x0e + 8x1o", help="hidden irreps")
+    p.add_argument("--layers", type=_common.positive_int, default=2, help="attention blocks")
+    p.add_argument("--heads", type=_common.positive_int, default=4,
+                   help="attention heads (must divide every multiplicity of --hidden)")
+    p.add_argument("--lmax", type=_common.non_negative_int, default=2, help="largest degree of the edge harmonics")
     p.add_argument("--amp", action="store_true", help="bfloat16 autocast (CUDA only)")
     p.add_argument("--ddp", action="store_true", help="DistributedDataParallel; launch with torchrun")
     p.add_argument("--save", default=None, help="write a checkpoint here after training")
@@ -313,7 +315,12 @@ def train(args):
 def predict_main(args) -> dict:
     """Load ``args.predict``, predict energies and forces, and compare with EMT when labels exist."""
     device = torch.device(args.device)
-    model, extra = load_checkpoint(args.predict, map_location=device)
+    try:
+        model, extra = load_checkpoint(args.predict, map_location=device)
+    except (OSError, ValueError) as err:
+        _common.fail(f"--predict: {err}")
+    if "units" not in extra:
+        _common.fail(f"--predict: {args.predict} has no 'units': it was not saved by molecules.py --save")
     units = extra["units"]
     if args.structures:
         from ase.io import read

@@ -8,18 +8,19 @@ equivariance error in float32 and float64.
 
     python examples/quickstart.py [--device cuda] [--seed 0]
 """
-import argparse
-
 import torch
 
 import e3attn
 from e3attn.testing import equivariance_error
 
+import _common  # examples/_common.py: the script's folder is on sys.path
+
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = _common.ArgumentParser(__doc__)
+    parser.add_argument("--device", type=_common.device, default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="torch device (default: cuda when available, else cpu)")
+    parser.add_argument("--seed", type=_common.non_negative_int, default=0, help="random seed (default: 0)")
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
 

@@ -111,10 +111,12 @@ def plot(curve, path):
 
 def main(argv=None) -> dict:
     p = _common.parser(__doc__)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--copies", type=int, default=4, help="rotated copies of every shape per training batch")
-    p.add_argument("--test-copies", type=int, default=100, help="rotated copies of every shape in the test set")
+    p.add_argument("--steps", type=_common.non_negative_int, default=100, help="training steps (default: 100)")
+    p.add_argument("--lr", type=_common.positive_float, default=1e-2, help="Adam learning rate (default: 0.01)")
+    p.add_argument("--copies", type=_common.positive_int, default=4,
+                   help="rotated copies of every shape per training batch (default: 4)")
+    p.add_argument("--test-copies", type=_common.positive_int, default=100,
+                   help="rotated copies of every shape in the test set (default: 100)")
     args = p.parse_args(argv)
     if args.smoke:
         args.steps, args.test_copies = min(args.steps, 5), min(args.test_copies, 4)

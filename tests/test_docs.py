@@ -86,3 +86,13 @@ def test_readme_commands_included_by_getting_started(marker):
     after = lines[lines.index(marker) + 1 : lines.index(marker) + 3]
     assert after[0].startswith("```") and after[1].startswith("pip install"), after
     assert marker in (DOCS / "getting_started.rst").read_text()
+
+
+def test_getting_started_names_the_main_job_the_readme_runs():
+    """The page includes the README's main command: the script it names must be that command's script."""
+    lines = README.read_text().splitlines()
+    command = lines[lines.index("<!-- main-command -->") + 2]
+    (script,) = re.findall(r"examples/\w+\.py", command)
+    page = re.sub(r"\s+", " ", (DOCS / "getting_started.rst").read_text())
+    named = re.findall(r"runs the main job, ``(examples/\w+\.py)``", page)
+    assert named == [script], f"getting_started.rst says the main job is {named}, the README command runs {script}"

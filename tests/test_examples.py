@@ -1,3 +1,5 @@
+import argparse
+import importlib
 import itertools
 import pathlib
 
@@ -118,3 +120,81 @@ def test_molecules_amp_on_cpu_warns_and_runs_in_float32(examples):
     with pytest.warns(UserWarning, match="--amp needs a CUDA device"):
         args = molecules.parse_args(["--smoke", "--device", "cpu", "--amp"])
     assert args.amp is False
+
+
+# ----------------------------------------------------------------------------- the command lines
+
+SCRIPTS = ["quickstart", "tetris", "molecules", "attention_graph"]
+
+
+def run_main(name, argv, capsys):
+    """``(exit status, stdout, stderr)`` of ``examples/<name>.py argv`` when it stops during argument handling."""
+    module = importlib.import_module(name)
+    with pytest.raises(SystemExit) as info:
+        module.main(argv)
+    out, err = capsys.readouterr()
+    return info.value.code, out, err
+
+
+def unavailable_device():
+    return f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_help_is_plain_text_and_every_option_explained(examples, monkeypatch, capsys, name):
+    import _common
+
+    code, out, _ = run_main(name, ["--help"], capsys)
+    assert code == 0 and "usage:" in out
+    for markup in (":class:", ":math:", ":func:", ":mod:", "``", "\\"):
+        assert markup not in out, markup
+    parsers = []
+
+    def capture(self, args=None, namespace=None):
+        parsers.append(self)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(_common.ArgumentParser, "parse_args", capture)
+    run_main(name, [], capsys)
+    options = [a for a in parsers[0]._actions if not isinstance(a, argparse._HelpAction)]
+    assert options and all(a.help for a in options), [a.dest for a in options if not a.help]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize("device", ["unavailable", "nonsense"])
+def test_unusable_device_is_one_line_and_exit_status_2(examples, capsys, name, device):
+    device = unavailable_device() if device == "unavailable" else device
+    code, _, err = run_main(name, ["--device", device], capsys)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and "error: argument --device" in err and "--device cpu" in err
+
+
+@pytest.mark.parametrize(
+    "name, argv, match",
+    [
+        ("tetris", ["--steps", "-5"], "argument --steps: expected a non-negative integer, got '-5'"),
+        ("tetris", ["--copies", "0"], "argument --copies: expected a positive integer"),
+        ("tetris", ["--lr", "nan"], "argument --lr: expected a positive number"),
+        ("molecules", ["--epochs", "0"], "argument --epochs: expected a positive integer"),
+        ("molecules", ["--hidden", "16 scalars"], "argument --hidden: expected e3nn irreps"),
+        ("attention_graph", ["--heads", "3"], "--heads 3 must divide 4"),
+        ("quickstart", ["--seed", "x"], "argument --seed: expected a non-negative integer"),
+    ],
+)
+def test_bad_numbers_are_one_line_and_exit_status_2(examples, capsys, name, argv, match):
+    code, _, err = run_main(name, argv, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and match in err
+
+
+def test_predict_with_a_file_that_is_not_a_checkpoint(examples, capsys, tmp_path):
+    from e3attn.models import EquivariantTransformer, save_checkpoint
+
+    not_a_checkpoint = tmp_path / "notes.txt"
+    not_a_checkpoint.write_text("not a model")
+    no_units = tmp_path / "other.pt"
+    save_checkpoint(EquivariantTransformer("1x0e", "4x0e", "0e", 1.5, num_layers=1), no_units)
+    for path, match in [(not_a_checkpoint, "is not a checkpoint"), (tmp_path / "absent.pt", "No such file"),
+                        (no_units, "has no 'units'")]:
+        code, _, err = run_main("molecules", ["--predict", str(path), "--device", "cpu"], capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and match in err
+        assert "weights_only=False" not in err and "Traceback" not in err

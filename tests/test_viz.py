@@ -1,6 +1,8 @@
 """Tests of e3attn.viz against plain loops, numpy and networkx."""
+import configparser
 import importlib.util
 import pathlib
+import re
 import sys
 
 import numpy as np
@@ -122,9 +124,15 @@ def test_attention_graph_labels_and_inferred_size():
 
 
 def test_missing_networkx_gives_install_hint(monkeypatch):
+    """The hint is a command that works: e3attn is not on PyPI, so not ``pip install e3attn[viz]``."""
     monkeypatch.setitem(sys.modules, "networkx", None)
-    with pytest.raises(ImportError, match=r"attention_graph needs networkx: pip install e3attn\[viz\]"):
+    with pytest.raises(ImportError, match=r"attention_graph needs networkx: pip install matplotlib networkx") as info:
         attention_graph(torch.tensor([[0], [1]]), torch.ones(1))
+    assert "e3attn[viz]" not in str(info.value) and "pip install -e '.[viz]'" in str(info.value)
+    config = configparser.ConfigParser()
+    config.read(pathlib.Path(__file__).resolve().parents[1] / "setup.cfg")
+    extra = {re.split(r"[<>=]", line)[0] for line in config["options.extras_require"]["viz"].split()}
+    assert extra == {"matplotlib", "networkx"}  # the packages the hint installs
 
 
 # ----------------------------------------------------------------------------- rollout
@@ -372,7 +380,7 @@ def test_plot_graph_edge_cases():
 
 def test_missing_matplotlib_gives_install_hint(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    with pytest.raises(ImportError, match=r"plot_attention_heatmap needs matplotlib: pip install e3attn\[viz\]"):
+    with pytest.raises(ImportError, match=r"plot_attention_heatmap needs matplotlib: pip install matplotlib networkx"):
         plot_attention_heatmap(torch.rand(2, 2))
 
 
@@ -464,7 +472,8 @@ def test_record_attention_rejects_models_without_attention():
 # ----------------------------------------------------------------------------- example
 
 
-def test_example_writes_the_three_figures(tmp_path):
+def test_example_writes_the_three_figures(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLE.parent))  # as when the script runs: it imports examples/_common.py
     spec = importlib.util.spec_from_file_location("attention_graph_example", EXAMPLE)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)

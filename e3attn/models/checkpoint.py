@@ -1,9 +1,18 @@
-r"""Save and load models with their configuration: a checkpoint rebuilds the model on its own."""
+r"""Save and load models with their configuration: a checkpoint rebuilds the model on its own.
+
+A checkpoint holds plain data only (tensors, numbers, strings, and lists, tuples and dicts of
+them), so :func:`load_checkpoint` reads it with ``torch.load(weights_only=True)``; whatever
+:func:`save_checkpoint` accepts, :func:`load_checkpoint` loads. A SHA-256 digest of the weights is
+stored with them and checked at load, so a corrupted file is refused instead of predicting
+differently.
+"""
 from __future__ import annotations
 
+import hashlib
 import os
-from typing import Any, Dict, Tuple, Union
+from typing import Any, Dict, Mapping, Tuple, Union
 
+import numpy as np
 import torch
 
 from .transformer import EquivariantTransformer
@@ -11,60 +20,111 @@ from .transformer import EquivariantTransformer
 __all__ = ["save_checkpoint", "load_checkpoint"]
 
 _MODELS = {"EquivariantTransformer": EquivariantTransformer}
-_FORMAT = "e3attn.models.checkpoint/1"
+_FORMAT = "e3attn.models.checkpoint/2"
+_KEYS = ("class", "config", "dtype", "state_dict", "weights_sha256", "extra")
+_SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype)
+_ACCEPTED = (
+    "tensors, NumPy arrays and scalars, Python numbers, strings, bytes, None, torch dtypes, "
+    "and lists, tuples and dicts (with str or int keys) of them"
+)
 PathLike = Union[str, "os.PathLike[str]"]
 
 
+def _plain(value: Any, where: str) -> Any:
+    """``value`` as data that ``torch.load(weights_only=True)`` reads back (NumPy converted), or a ValueError."""
+    if isinstance(value, np.generic):  # before the Python types: np.float64 is a float subclass
+        return _plain(value.item(), where)
+    if isinstance(value, np.ndarray):
+        try:
+            return torch.from_numpy(np.ascontiguousarray(value)).clone()
+        except TypeError:
+            raise ValueError(f"{where} is a NumPy array of dtype {value.dtype}, which torch cannot hold") from None
+    if type(value) in _SCALARS:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if type(value) in (list, tuple):
+        return type(value)(_plain(item, f"{where}[{i}]") for i, item in enumerate(value))
+    if isinstance(value, dict):
+        bad = [key for key in value if type(key) not in (str, int)]
+        if bad:
+            raise ValueError(f"{where} has a key {bad[0]!r} of type {type(bad[0]).__name__}: keys must be str or int")
+        return {key: _plain(item, f"{where}[{key!r}]") for key, item in value.items()}
+    raise ValueError(f"{where} is a {type(value).__module__}.{type(value).__qualname__}; checkpoints hold {_ACCEPTED}")
+
+
+def _weights_digest(state_dict: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 of every tensor's name, dtype, shape and bytes, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(state_dict):
+        tensor = state_dict[name].detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{list(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
 def save_checkpoint(model: torch.nn.Module, path: PathLike, **extra: Any) -> None:
-    r"""Write the model's class, configuration, dtype and ``state_dict`` (and ``extra``) to ``path``.
+    r"""Write the model's class, configuration, dtype, ``state_dict``, its digest (and ``extra``) to ``path``.
 
     A ``DistributedDataParallel`` (or any wrapper with ``.module``) is unwrapped. ``extra``
     holds whatever else prediction needs (normalisation constants, species, metrics):
-    tensors, numbers, strings, and lists/dicts of them, since :func:`load_checkpoint`
-    reads with ``torch.load(weights_only=True)``.
+    tensors, numbers, strings, ``None``, and lists, tuples and dicts of them. NumPy
+    scalars become Python numbers and NumPy arrays tensors; anything else is refused
+    here, with the key named, rather than written to a file that would not load.
 
-    .. math:: \text{checkpoint} = (\text{class}, \text{config}, \text{dtype}, \theta, \text{extra})
+    .. math:: \text{checkpoint} = (\text{class}, \text{config}, \text{dtype}, \theta,
+        \mathrm{SHA256}(\theta), \text{extra})
+
+    Raises:
+        ValueError: when the model is not one that checkpoints rebuild, or an
+            entry of ``extra`` cannot be stored (naming it).
 
     Example::
 
         >>> import os, tempfile
+        >>> import numpy as np
         >>> path = os.path.join(tempfile.mkdtemp(), "model.pt")
         >>> model = EquivariantTransformer("1x0e", "8x0e + 2x1o", "0e", 1.5, reduce="sum")
-        >>> save_checkpoint(model, path, energy_scale=0.3)
+        >>> save_checkpoint(model, path, energy_scale=0.3, mae=np.float64(0.12))
         >>> loaded, extra = load_checkpoint(path)
         >>> extra
-        {'energy_scale': 0.3}
+        {'energy_scale': 0.3, 'mae': 0.12}
     """
     model = getattr(model, "module", model)
     name = type(model).__name__
     if name not in _MODELS or not hasattr(model, "config"):
         raise ValueError(f"model must be one of {sorted(_MODELS)} (possibly wrapped), got {name}")
-    dtype = next(model.parameters()).dtype
-    torch.save(
-        {
-            "format": _FORMAT,
-            "class": name,
-            "config": dict(model.config),
-            "dtype": str(dtype).replace("torch.", ""),
-            "state_dict": model.state_dict(),
-            "extra": extra,
-        },
-        path,
-    )
+    state_dict = model.state_dict()
+    checkpoint = {
+        "format": _FORMAT,
+        "class": name,
+        "config": _plain(dict(model.config), "model.config"),
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "state_dict": state_dict,
+        "weights_sha256": _weights_digest(state_dict),
+        "extra": {key: _plain(value, f"extra {key!r}") for key, value in extra.items()},
+    }
+    torch.save(checkpoint, path)
 
 
 def load_checkpoint(path: PathLike, map_location: Union[str, torch.device] = "cpu") -> Tuple[torch.nn.Module, Dict[str, Any]]:
     r"""Rebuild the model saved by :func:`save_checkpoint`, in its saved dtype, and return it with the extras.
 
-    The model is returned in evaluation mode on ``map_location``.
+    The model is returned in evaluation mode on ``map_location``. The file is read with
+    ``torch.load(weights_only=True)`` (no code from the file runs) and the weights must
+    match the digest stored with them.
 
-    .. math:: \text{model} = \text{class}(\text{config}).\mathrm{load\_state\_dict}(\theta)
+    .. math:: \text{model} = \text{class}(\text{config}).\mathrm{load\_state\_dict}(\theta),
+        \qquad \mathrm{SHA256}(\theta) = \text{digest}
 
     Returns:
         ``(model, extra)``.
 
     Raises:
-        ValueError: when ``path`` is not such a checkpoint.
+        ValueError: saying what is wrong when ``path`` is not such a checkpoint (not a
+            torch file, another format, unknown class or dtype, missing entries,
+            weights that do not match their digest or their configuration).
+        OSError: when the file cannot be opened.
 
     Example::
 
@@ -75,10 +135,50 @@ def load_checkpoint(path: PathLike, map_location: Union[str, torch.device] = "cp
         >>> model.training, extra
         (False, {})
     """
-    checkpoint = torch.load(path, map_location=map_location, weights_only=True)
-    if not isinstance(checkpoint, dict) or checkpoint.get("format") != _FORMAT:
-        raise ValueError(f"path {os.fspath(path)!r} is not a checkpoint written by e3attn.models.save_checkpoint")
-    model = _MODELS[checkpoint["class"]](**checkpoint["config"])
-    model = model.to(device=map_location, dtype=getattr(torch, checkpoint["dtype"]))
-    model.load_state_dict(checkpoint["state_dict"])
+    device = torch.device(map_location)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"map_location is {device} but CUDA is not available")
+    where = f"{os.fspath(path)!r}"
+    with open(path, "rb") as file:  # a missing or unreadable file raises its OSError here
+        try:
+            checkpoint = torch.load(file, map_location=device, weights_only=True)
+        except Exception:  # torch raises many types for a file that is not a torch.save archive of plain data
+            raise ValueError(
+                f"{where} is not a checkpoint written by e3attn.models.save_checkpoint: "
+                "torch.load(weights_only=True) cannot read it (not a torch file, truncated, or holding objects "
+                "other than tensors and plain data)"
+            ) from None
+    return _rebuild(checkpoint, where, device)
+
+
+def _rebuild(checkpoint: Any, where: str, device: torch.device) -> Tuple[torch.nn.Module, Dict[str, Any]]:
+    """The model and extras of a loaded checkpoint, or a ValueError saying what is wrong with it."""
+    found = checkpoint.get("format") if isinstance(checkpoint, dict) else None
+    if found != _FORMAT:
+        detail = f"its format is {found!r}" if isinstance(found, str) else "it has no e3attn format tag"
+        raise ValueError(f"{where} is not a checkpoint written by e3attn.models.save_checkpoint ({_FORMAT}): {detail}")
+    missing = [key for key in _KEYS if key not in checkpoint]
+    if missing:
+        raise ValueError(f"{where} is a damaged checkpoint: it has no {', '.join(map(repr, missing))}")
+    name, config, state_dict = checkpoint["class"], checkpoint["config"], checkpoint["state_dict"]
+    if name not in _MODELS:
+        raise ValueError(f"{where} holds a model of unknown class {name!r} (known: {sorted(_MODELS)})")
+    dtype = getattr(torch, checkpoint["dtype"], None) if isinstance(checkpoint["dtype"], str) else None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{where} has an invalid dtype {checkpoint['dtype']!r} (expected e.g. 'float32')")
+    if not isinstance(config, dict) or not isinstance(checkpoint["extra"], dict):
+        raise ValueError(f"{where} is a damaged checkpoint: its config and extra must be dicts")
+    if not isinstance(state_dict, dict) or not all(isinstance(t, torch.Tensor) for t in state_dict.values()):
+        raise ValueError(f"{where} is a damaged checkpoint: its state_dict must map names to tensors")
+    if _weights_digest(state_dict) != checkpoint["weights_sha256"]:
+        raise ValueError(f"{where} is corrupted: its weights do not match the SHA-256 digest stored with them")
+    try:
+        model = _MODELS[name](**config)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where} has a config that does not build a {name}: {err}") from None
+    model = model.to(device=device, dtype=dtype)
+    try:
+        model.load_state_dict(state_dict)
+    except RuntimeError as err:
+        raise ValueError(f"{where} has weights that do not fit its config: {err}") from None
     return model.eval(), checkpoint["extra"]

@@ -5,7 +5,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._checks import check_batch, check_edge_index, check_pos
+from .._checks import check_batch, check_dtype, check_edge_index, check_pos
 
 __all__ = ["edge_vectors", "energy_and_forces"]
 
@@ -53,6 +53,7 @@ def edge_vectors(
         raise ValueError(f"shifts must be a tensor of shape [{src.shape[0]}, 3] (one per edge), got {_shape(shifts)}")
     if not isinstance(cell, torch.Tensor) or cell.shape[-2:] != (3, 3) or cell.dim() not in (2, 3):
         raise ValueError(f"cell must be a tensor of shape [3, 3] or [B, 3, 3] when shifts are given, got {_shape(cell)}")
+    check_dtype(cell, "cell", pos.dtype, "pos")
     shifts = shifts.to(pos.dtype)
     if cell.dim() == 2:
         return vec + shifts @ cell
@@ -93,7 +94,10 @@ def energy_and_forces(
     and ``shifts`` of :func:`~e3attn.radius_graph_pbc` and the ``cell``: the edge vectors
     are rebuilt from ``pos`` (:func:`edge_vectors`) so that the forces include every
     image. An invariant energy gives rotation-equivariant forces. Works under
-    ``torch.no_grad()`` (the gradient is taken inside).
+    ``torch.no_grad()`` and ``torch.inference_mode()``: the gradient is taken inside,
+    with autograd switched back on locally (inference tensors among the inputs are
+    copied first, since autograd cannot record them); the returned tensors are
+    ordinary tensors.
 
     Args:
         model: the energy model.
@@ -115,7 +119,11 @@ def energy_and_forces(
     """
     check_pos(pos)
     create_graph = model.training if create_graph is None else bool(create_graph)
-    with torch.enable_grad():
+    with torch.inference_mode(False), torch.enable_grad():
+        pos, x, batch, node_attr, edge_index, shifts, cell = (
+            t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t
+            for t in (pos, x, batch, node_attr, edge_index, shifts, cell)
+        )
         if not pos.requires_grad:
             pos = pos.detach().requires_grad_(True)
         edge_vec = None
@@ -134,5 +142,5 @@ def energy_and_forces(
                 f"model must return one scalar per graph ([{num_graphs}] or [{num_graphs}, 1]), got shape {list(out.shape)}"
             )
         (grad,) = torch.autograd.grad(out.sum(), pos, create_graph=create_graph, allow_unused=True)
-    forces = torch.zeros_like(pos) if grad is None else -grad
+        forces = torch.zeros_like(pos) if grad is None else -grad
     return out, forces

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Callable
+from typing import Callable, Tuple
 
 import numpy as np
 import torch
@@ -38,9 +38,9 @@ def second_moment_constant(name: str) -> float:
     return float(1.0 / math.sqrt(np.sum(w * values**2) / math.sqrt(2.0 * math.pi)))
 
 
-def _scaled(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    fn, c = _ACTIVATIONS[name][0], second_moment_constant(name)
-    return lambda x: c * fn(x)
+def _scaled(name: str) -> Tuple[Callable[[torch.Tensor], torch.Tensor], float]:
+    """The activation ``name`` and its :func:`second_moment_constant` (module-level objects: the Gate pickles)."""
+    return _ACTIVATIONS[name][0], second_moment_constant(name)
 
 
 class Gate(torch.nn.Module):
@@ -97,12 +97,14 @@ class Gate(torch.nn.Module):
         if x.dim() != 2 or x.shape[1] != self.irreps_in.dim:
             raise ValueError(f"x must have shape [N, {self.irreps_in.dim}] (irreps {self.irreps_in}), got {list(x.shape)}")
         features, gates = x.split([self.irreps_out.dim, self.num_gates], dim=1)
-        gates = self._gate(gates)
+        gate, c = self._gate
+        gates = c * gate(gates)
         outs = []
         first = 0
         for part, (mul, l, p) in zip(split_entries(features, self._entries), self._entries):
             if l == 0:
-                part = self._scalar[p](part)
+                activation, c = self._scalar[p]
+                part = c * activation(part)
             else:
                 part = part * gates[:, first : first + mul, None]
                 first += mul

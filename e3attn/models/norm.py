@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .._checks import check_dtype, check_positive
 from .._irreps import IrrepsLike, as_irreps, entries, split_entries
 
 __all__ = ["EquivariantLayerNorm"]
@@ -53,9 +54,7 @@ class EquivariantLayerNorm(torch.nn.Module):
     def __init__(self, irreps: IrrepsLike, eps: float = 1e-5, affine: bool = True) -> None:
         super().__init__()
         self.irreps = as_irreps(irreps, "irreps")
-        if not eps > 0:
-            raise ValueError(f"eps must be a positive number, got {eps!r}")
-        self.eps = float(eps)
+        self.eps = check_positive(eps, "eps")
         self._entries = entries(self.irreps)
         self._even = [(l, p) == (0, 1) for _, l, p in self._entries]
         self._num_even = sum(mul for (mul, _, _), even in zip(self._entries, self._even) if even)
@@ -71,6 +70,8 @@ class EquivariantLayerNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.irreps.dim:
             raise ValueError(f"x must have shape [N, {self.irreps.dim}] (irreps {self.irreps}), got {list(x.shape)}")
+        if self.affine:
+            check_dtype(x, "x", self.weight.dtype, "the module")
         parts = split_entries(x, self._entries)
         even = [part for part, is_even in zip(parts, self._even) if is_even]
         other = [part for part, is_even in zip(parts, self._even) if not is_even]

@@ -6,7 +6,7 @@ from typing import Any, Dict, Mapping, Optional
 import torch
 from e3nn import o3
 
-from .._checks import check_batch, check_edge_index, check_features, check_pos
+from .._checks import check_batch, check_dtype, check_edge_index, check_edge_vec, check_features, check_int, check_pos
 from .._irreps import IrrepsLike, as_irreps
 from ..attention import EquivariantAttention
 from ..graph import radius_graph
@@ -118,8 +118,9 @@ class EquivariantTransformer(torch.nn.Module):
         self.irreps_out = as_irreps(irreps_out, "irreps_out")
         self.irreps_key = self.irreps_hidden if irreps_key is None else as_irreps(irreps_key, "irreps_key")
         self.irreps_node_attr = None if irreps_node_attr is None else as_irreps(irreps_node_attr, "irreps_node_attr")
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+        num_layers, num_heads = check_int(num_layers, "num_layers", 1), check_int(num_heads, "num_heads", 1)
+        lmax, number_of_basis = check_int(lmax, "lmax"), check_int(number_of_basis, "number_of_basis", 1)
+        radial_neurons = check_int(radial_neurons, "radial_neurons", 1)
         if reduce not in REDUCTIONS:
             raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
         split_heads(self.irreps_hidden, num_heads, "irreps_hidden")
@@ -169,6 +170,7 @@ class EquivariantTransformer(torch.nn.Module):
                 raise ValueError("pass either a data object/mapping as pos, or tensors, not both")
             pos, x, batch, edge_index, edge_vec, node_attr = _unpack(pos)
         check_pos(pos)
+        check_dtype(pos, "pos", self.output.weight.dtype, "the model")
         num_nodes = pos.shape[0]
         check_batch(batch, num_nodes)
         h = self.embedding(self._embedding_input(pos, x, node_attr))
@@ -180,6 +182,9 @@ class EquivariantTransformer(torch.nn.Module):
             check_edge_index(edge_index, num_nodes)
         if edge_vec is None:
             edge_vec = pos[edge_index[0]] - pos[edge_index[1]]
+        else:
+            check_edge_vec(edge_vec, edge_index.shape[1])
+            check_dtype(edge_vec, "edge_vec", pos.dtype, "the model")
         for layer in self.layers:
             h = layer(h, pos, edge_index, edge_vec)
         out = self.output(h)
@@ -195,6 +200,7 @@ class EquivariantTransformer(torch.nn.Module):
                 raise ValueError(f"x is required: irreps_in = {self.irreps_in} is not only even scalars")
             x = pos.new_ones(num_nodes, self.irreps_in.dim)
         check_features(x, self.irreps_in.dim, num_nodes, "x", str(self.irreps_in))
+        check_dtype(x, "x", pos.dtype, "the model")
         if self.irreps_node_attr is None:
             if node_attr is not None:
                 raise ValueError("node_attr was given but the model has no irreps_node_attr")
@@ -202,6 +208,7 @@ class EquivariantTransformer(torch.nn.Module):
         if node_attr is None:
             raise ValueError(f"node_attr is required: the model has irreps_node_attr = {self.irreps_node_attr}")
         check_features(node_attr, self.irreps_node_attr.dim, num_nodes, "node_attr", str(self.irreps_node_attr))
+        check_dtype(node_attr, "node_attr", pos.dtype, "the model")
         return torch.cat([x, node_attr], dim=1)
 
     def _pool(self, out: torch.Tensor, batch: Optional[torch.Tensor]) -> torch.Tensor:

@@ -6,8 +6,9 @@ An edge ``src -> dst`` of an ``edge_index [2, E]`` carries the weight
 from one layer or from every layer of a model (:func:`record_attention`), into
 networkx graphs, dense matrices, rollouts, centralities and figures.
 
-networkx and matplotlib are optional (``pip install e3attn[viz]``) and only imported
-by the functions that need them.
+networkx and matplotlib are optional and only imported by the functions that need
+them: ``pip install matplotlib networkx``, or ``pip install -e ".[viz]"`` in a clone of
+e3attn (it is installed from its repository, so ``pip install e3attn[viz]`` does not work).
 """
 from e3attn.viz.graph import attention_centrality, attention_graph
 from e3attn.viz.matrix import attention_matrix, attention_rollout

@@ -7,7 +7,10 @@ from typing import Optional
 
 import torch
 
-from e3attn._checks import check_edge_index
+from e3attn._checks import check_edge_index, check_int
+
+# e3attn is installed from its repository, not from PyPI: "pip install e3attn[viz]" cannot work.
+INSTALL_HINT = "pip install matplotlib networkx (or, in a clone of e3attn, pip install -e '.[viz]')"
 
 
 def require(module: str, caller: str) -> ModuleType:
@@ -16,14 +19,12 @@ def require(module: str, caller: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError as err:
         package = module.split(".")[0]
-        raise ImportError(f"{caller} needs {package}: pip install e3attn[viz]") from err
+        raise ImportError(f"{caller} needs {package}: {INSTALL_HINT}") from err
 
 
 def check_num_nodes(num_nodes: int, name: str = "num_nodes") -> int:
-    """``num_nodes`` must be a non-negative Python integer."""
-    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {num_nodes!r}")
-    return num_nodes
+    """``num_nodes`` (a Python or NumPy integer) as a non-negative Python ``int``."""
+    return check_int(num_nodes, name)
 
 
 def infer_num_nodes(edge_index: torch.Tensor, num_nodes: Optional[int]) -> int:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Dict, Optional, Sequence
 
 import torch
 
+from e3attn._checks import check_int, check_positive, check_real
 from e3attn.viz._inputs import edge_weights, infer_num_nodes, require
 
 if TYPE_CHECKING:
@@ -150,12 +151,8 @@ def attention_centrality(
         (tensor([1., 1., 0.]), tensor([1.0000, 0.5000, 0.5000]))
     """
     weight = edge_weights(edge_index, alpha, num_nodes).mean(dim=1)
-    if not 0.0 <= damping < 1.0:
-        raise ValueError(f"damping must be in [0, 1), got {damping}")
-    if not tol > 0:
-        raise ValueError(f"tol must be positive, got {tol}")
-    if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
-        raise ValueError(f"max_iter must be a positive int, got {max_iter!r}")
+    damping = check_real(damping, "damping", "in [0, 1)", lambda d: 0.0 <= d < 1.0)
+    tol, max_iter = check_positive(tol, "tol"), check_int(max_iter, "max_iter", 1)
     src, dst = edge_index.long()
     in_degree = weight.new_zeros(num_nodes).index_add(0, dst, weight)
     out_degree = weight.new_zeros(num_nodes).index_add(0, src, weight)

@@ -43,6 +43,7 @@ def attention_matrix(edge_index: torch.Tensor, alpha: torch.Tensor, num_nodes: i
                 [1.0000, 0.0000, 0.0000],
                 [0.0000, 0.0000, 0.0000]])
     """
+    num_nodes = check_num_nodes(num_nodes)
     weights = edge_weights(edge_index, alpha, num_nodes)
     src, dst = edge_index.long()
     out = weights.new_zeros(weights.shape[1], num_nodes * num_nodes)
@@ -63,7 +64,7 @@ def _layer(item: object, position: int) -> Tuple[torch.Tensor, torch.Tensor]:
 
 def rollout_steps(attentions: Sequence[object], num_nodes: int, residual: bool = True) -> Iterator[torch.Tensor]:
     """Yield the rollout after each layer; see :func:`attention_rollout`."""
-    check_num_nodes(num_nodes)
+    num_nodes = check_num_nodes(num_nodes)
     layers = []
     for position, item in enumerate(attentions):
         edge_index, alpha = _layer(item, position)

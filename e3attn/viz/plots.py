@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, List, NamedTuple, Optional, Sequence, Tuple, U
 import numpy as np
 import torch
 
+from e3attn._checks import check_int
 from e3attn.viz._inputs import require
 from e3attn.viz.graph import attention_graph
 from e3attn.viz.matrix import rollout_steps
@@ -270,7 +271,8 @@ def plot_attention_graph(
     else:
         raise TypeError(f"graph must be a networkx.DiGraph or an edge_index tensor, got {type(graph).__name__}")
     num_heads = graph.graph.get("num_heads")
-    if head is not None and num_heads is not None and not 0 <= head < num_heads:
+    head = None if head is None else check_int(head, "head")
+    if head is not None and num_heads is not None and not head < num_heads:
         raise ValueError(f"head must be in [0, {num_heads}) for this graph, got {head!r}")
     key = "weight" if head is None else f"weight_h{head}"
     edges = list(graph.edges(data=key))

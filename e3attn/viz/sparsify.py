@@ -5,6 +5,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from e3attn._checks import check_int, check_real
 from e3attn.viz._inputs import edge_weights, infer_num_nodes
 
 __all__ = ["sparsify"]
@@ -69,10 +70,8 @@ def sparsify(
     """
     if threshold is None and top_k is None:
         raise ValueError("sparsify needs threshold or top_k (or both), got neither")
-    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))):
-        raise ValueError(f"threshold must be a number, got {threshold!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
-        raise ValueError(f"top_k must be a non-negative int, got {top_k!r}")
+    threshold = None if threshold is None else check_real(threshold, "threshold")
+    top_k = None if top_k is None else check_int(top_k, "top_k")
     num_nodes = infer_num_nodes(edge_index, None)
     weights = edge_weights(edge_index, alpha, num_nodes)
     dst = edge_index[1].long()

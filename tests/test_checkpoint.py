@@ -1,0 +1,233 @@
+"""Checkpoints load whatever they saved, refuse malformed or corrupted files clearly; every module pickles."""
+import copy
+import inspect
+import io
+import pickle
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+
+import e3attn
+import e3attn.models
+from e3attn import (
+    EquivariantAttention,
+    GraphMultiHeadAttention,
+    IrrepsLinear,
+    MultiHeadAttention,
+    MultiHeadDot,
+    RadialEmbedding,
+    RadialMLP,
+    SphericalHarmonics,
+    SphericalTensorProduct,
+)
+from e3attn.models import EquivariantLayerNorm, EquivariantTransformer, Gate, load_checkpoint, save_checkpoint
+
+
+def small_model():
+    torch.manual_seed(0)
+    return EquivariantTransformer("1x0e", "8x0e + 2x1o", "0e", 1.5, num_layers=1, reduce="sum")
+
+
+def test_numpy_extras_are_converted_and_load(tmp_path):
+    path = tmp_path / "model.pt"
+    extra = {
+        "mae": np.float64(0.12), "count": np.int64(3), "flag": np.bool_(True), "name": np.str_("Cu"),
+        "scale": np.float32(0.5), "table": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "nested": {"refs": [np.float64(1.5), (np.int32(2), "x")], 7: None},
+    }
+    save_checkpoint(small_model(), path, **extra)
+    _, loaded = load_checkpoint(path)
+    assert loaded["mae"] == 0.12 and type(loaded["mae"]) is float
+    assert loaded["count"] == 3 and type(loaded["count"]) is int
+    assert loaded["flag"] is True and type(loaded["name"]) is str
+    assert loaded["scale"] == 0.5
+    assert torch.equal(loaded["table"], torch.arange(6.0).reshape(2, 3))
+    assert loaded["nested"] == {"refs": [1.5, (2, "x")], 7: None}
+
+
+class Custom:
+    pass
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ({"obj": Custom()}, r"extra 'obj' is a .*Custom; checkpoints hold"),
+        ({"metrics": {"mae": [0.1, Custom()]}}, r"extra 'metrics'\['mae'\]\[1\] is a"),
+        ({"arr": np.array([Custom()], dtype=object)}, r"extra 'arr' is a NumPy array of dtype object"),
+        ({"keys": {(1, 2): 0}}, r"extra 'keys' has a key \(1, 2\) of type tuple"),
+        ({"s": {1, 2}}, r"extra 's' is a builtins.set"),
+    ],
+)
+def test_save_refuses_what_would_not_load_naming_the_key(tmp_path, extra, match):
+    with pytest.raises(ValueError, match=match):
+        save_checkpoint(small_model(), tmp_path / "model.pt", **extra)
+    assert not (tmp_path / "model.pt").exists()
+
+
+def write(path, payload):
+    torch.save(payload, path)
+    return path
+
+
+def good_payload(model):
+    path = io.BytesIO()
+    save_checkpoint(model, path)
+    path.seek(0)
+    return torch.load(path, weights_only=True)
+
+
+def edited(model, **changes):
+    payload = good_payload(model)
+    for key, value in changes.items():
+        if value is None:
+            del payload[key]
+        else:
+            payload[key] = value
+    return payload
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda p, m: p.write_text("hello world"), "is not a checkpoint written by e3attn.models.save_checkpoint"),
+        (lambda p, m: p.write_bytes(b""), "cannot read it"),
+        (lambda p, m: p.write_bytes(bytes(range(256)) * 4), "cannot read it"),
+        (lambda p, m: pickle.dump({"a": 1}, p.open("wb"), protocol=2), "cannot read it"),
+        (lambda p, m: torch.save({"a": Custom}, p), "cannot read it"),
+        (lambda p, m: torch.save({"weights": torch.zeros(2)}, p), "it has no e3attn format tag"),
+        (lambda p, m: torch.save(edited(m, format="e3attn.models.checkpoint/0"), p), "its format is"),
+        (lambda p, m: torch.save(edited(m, config=None), p), "damaged checkpoint: it has no 'config'"),
+        (lambda p, m: torch.save(edited(m, **{"class": "Foo"}), p), "unknown class 'Foo'"),
+        (lambda p, m: torch.save(edited(m, dtype="float99"), p), "invalid dtype 'float99'"),
+        (lambda p, m: torch.save(edited(m, dtype="int64"), p), "invalid dtype 'int64'"),
+        (lambda p, m: torch.save(edited(m, config={"foo": 1}), p), "config that does not build"),
+        (lambda p, m: torch.save(edited(m, config=dict(m.config, num_layers=2)), p), "do not fit its config"),
+        (lambda p, m: torch.save(edited(m, weights_sha256="0" * 64), p), "do not match the SHA-256 digest"),
+    ],
+)
+def test_malformed_files_give_one_clear_value_error(tmp_path, make, match):
+    path = tmp_path / "bad.pt"
+    make(path, small_model())
+    with pytest.raises(ValueError, match=match) as info:
+        load_checkpoint(path)
+    assert "weights_only=False" not in str(info.value) and "weights_only` argument" not in str(info.value)
+    shown = info.value.__cause__ or (None if info.value.__suppress_context__ else info.value.__context__)
+    assert shown is None  # torch's text (which suggests weights_only=False) is not chained
+
+
+def test_truncated_file_and_missing_file(tmp_path):
+    path = tmp_path / "model.pt"
+    save_checkpoint(small_model(), path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="cannot read it"):
+        load_checkpoint(path)
+    with pytest.raises(FileNotFoundError):
+        load_checkpoint(tmp_path / "absent.pt")
+
+
+def test_corrupted_weights_are_detected(tmp_path):
+    path = tmp_path / "model.pt"
+    model = small_model()
+    save_checkpoint(model, path)
+    with zipfile.ZipFile(path) as archive:  # the largest tensor's bytes, stored uncompressed
+        info = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    data = bytearray(path.read_bytes())
+    start = info.header_offset + 30 + int.from_bytes(data[info.header_offset + 26 : info.header_offset + 28], "little")
+    start += int.from_bytes(data[info.header_offset + 28 : info.header_offset + 30], "little")  # the local extra field
+    data[start + 4] ^= 0x40  # flip one bit of one weight
+    path.write_bytes(bytes(data))
+    # torch alone loads it without complaint, and the model would predict differently
+    tampered = torch.load(path, weights_only=True)["state_dict"]
+    assert any(not torch.equal(tampered[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match="corrupted: its weights do not match the SHA-256 digest"):
+        load_checkpoint(path)
+
+
+def test_round_trip_with_numpy_configuration(tmp_path):
+    """NumPy scalars in the configuration end up as Python numbers in the checkpoint."""
+    torch.manual_seed(0)
+    model = EquivariantTransformer(
+        "1x0e", "8x0e + 2x1o", "0e", np.float32(1.5), num_layers=np.int64(1), num_heads=np.int32(2), lmax=np.int64(1)
+    )
+    assert type(model.config["num_layers"]) is int and type(model.config["max_radius"]) is float
+    save_checkpoint(model, tmp_path / "model.pt")
+    loaded, _ = load_checkpoint(tmp_path / "model.pt")
+    pos = torch.randn(6, 3)
+    assert torch.equal(loaded(pos), model.eval()(pos))
+
+
+def public_modules():
+    """Every torch.nn.Module class that e3attn exports, with a small instance and its inputs."""
+    torch.manual_seed(0)
+    pos = torch.randn(7, 3)
+    irreps = "4x0e + 2x1o"
+    f = torch.randn(7, 10)
+    layer = EquivariantAttention(irreps, irreps, irreps, irreps, 1.5, num_heads=2)
+    edge_index = torch.tensor([[0, 1, 2, 3], [1, 2, 3, 0]])
+    tp = SphericalTensorProduct("2x0e + 1x1o", "1x0e + 1x1o", ["2x0e + 1x1o"])
+    return {
+        EquivariantAttention: (layer, lambda m: m(f, pos)),
+        MultiHeadAttention: (MultiHeadAttention(8, 2), lambda m: m(torch.randn(3, 8, generator=gen()))),
+        GraphMultiHeadAttention: (GraphMultiHeadAttention(8, 2, combine="gaan"),
+                                  lambda m: m(torch.randn(4, 8, generator=gen()), edge_index)),
+        RadialEmbedding: (RadialEmbedding(6, 1.5, "bessel"), lambda m: m(torch.linspace(0, 2, 9))),
+        RadialMLP: (RadialMLP(6, 8, [3, 4]), lambda m: m(torch.randn(5, 6, generator=gen()))),
+        SphericalTensorProduct: (tp, lambda m: m(torch.randn(5, 5, generator=gen()),
+                                                 torch.randn(5, 4, generator=gen()), [torch.randn(5, m.weight_numel[0],
+                                                                                                 generator=gen())])),
+        SphericalHarmonics: (SphericalHarmonics(3), lambda m: m(pos)),
+        IrrepsLinear: (IrrepsLinear(irreps, "3x0e + 1x1o"), lambda m: m(f)),
+        MultiHeadDot: (MultiHeadDot("4x0e", "4x0e", 2), lambda m: m.project_query(torch.randn(3, 4, generator=gen()))),
+        EquivariantTransformer: (small_model(), lambda m: m(pos)),
+        EquivariantLayerNorm: (EquivariantLayerNorm(irreps), lambda m: m(f)),
+        Gate: (Gate("2x0e + 1x0o + 2x1o"), lambda m: m(torch.randn(5, 11, generator=gen()))),
+    }
+
+
+def gen():
+    return torch.Generator().manual_seed(1)
+
+
+def exported_module_classes():
+    found = set()
+    for namespace in (e3attn, e3attn.models):
+        for name in namespace.__all__:
+            obj = getattr(namespace, name)
+            if inspect.isclass(obj) and issubclass(obj, torch.nn.Module):
+                found.add(obj)
+    return found
+
+
+def test_every_public_module_is_covered():
+    assert set(public_modules()) == exported_module_classes()
+
+
+def as_list(out):
+    return [out] if isinstance(out, torch.Tensor) else list(out)
+
+
+def torch_round_trip(module):
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("copy_of", [lambda m: pickle.loads(pickle.dumps(m)), copy.deepcopy, torch_round_trip],
+                         ids=["pickle", "deepcopy", "torch.save"])
+def test_every_public_module_round_trips_to_identical_outputs(copy_of):
+    for cls, (module, run) in public_modules().items():
+        module.eval()
+        expected = as_list(run(module))
+        twin = copy_of(module)
+        assert type(twin) is cls
+        for a, b in zip(as_list(run(twin)), expected):
+            assert torch.equal(a, b), cls.__name__
+        if cls is EquivariantAttention:  # the float64 constants survive too: same outputs after .double()
+            assert torch.equal(as_list(run(twin.double().float()))[0], expected[0])
+
+
