@@ -231,3 +231,16 @@ def test_every_public_module_round_trips_to_identical_outputs(copy_of):
             assert torch.equal(as_list(run(twin.double().float()))[0], expected[0])
 
 
+
+
+def test_checkpoints_of_format_1_still_load(tmp_path):
+    """Files of the first format (no digest of the weights) load, with a warning that they are unverified."""
+    model = EquivariantTransformer("1x0e", "8x0e + 2x1o", "0e", 1.5, reduce="sum")
+    path = tmp_path / "old.pt"
+    torch.save({"format": "e3attn.models.checkpoint/1", "class": "EquivariantTransformer", "config": model.config,
+                "dtype": "float32", "state_dict": model.state_dict(), "extra": {"energy_scale": 0.5}}, path)
+    with pytest.warns(UserWarning, match="without a digest"):
+        loaded, extra = load_checkpoint(path)
+    assert extra == {"energy_scale": 0.5}
+    pos = torch.randn(5, 3)
+    torch.testing.assert_close(loaded(pos), model.eval()(pos), atol=0, rtol=0)

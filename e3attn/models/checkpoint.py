@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 from typing import Any, Dict, Mapping, Tuple, Union
 
 import numpy as np
@@ -21,6 +22,7 @@ __all__ = ["save_checkpoint", "load_checkpoint"]
 
 _MODELS = {"EquivariantTransformer": EquivariantTransformer}
 _FORMAT = "e3attn.models.checkpoint/2"
+_FORMAT_1 = "e3attn.models.checkpoint/1"  # before the digest: still read, the weights unverified
 _KEYS = ("class", "config", "dtype", "state_dict", "weights_sha256", "extra")
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype)
 _ACCEPTED = (
@@ -154,10 +156,13 @@ def load_checkpoint(path: PathLike, map_location: Union[str, torch.device] = "cp
 def _rebuild(checkpoint: Any, where: str, device: torch.device) -> Tuple[torch.nn.Module, Dict[str, Any]]:
     """The model and extras of a loaded checkpoint, or a ValueError saying what is wrong with it."""
     found = checkpoint.get("format") if isinstance(checkpoint, dict) else None
-    if found != _FORMAT:
+    if found not in (_FORMAT, _FORMAT_1):
         detail = f"its format is {found!r}" if isinstance(found, str) else "it has no e3attn format tag"
         raise ValueError(f"{where} is not a checkpoint written by e3attn.models.save_checkpoint ({_FORMAT}): {detail}")
-    missing = [key for key in _KEYS if key not in checkpoint]
+    if found == _FORMAT_1:
+        warnings.warn(f"{where} was written by an older e3attn ({_FORMAT_1}) without a digest of its weights: "
+                      "they are loaded unverified; save it again to add one", stacklevel=3)
+    missing = [key for key in _KEYS if key not in checkpoint and (found == _FORMAT or key != "weights_sha256")]
     if missing:
         raise ValueError(f"{where} is a damaged checkpoint: it has no {', '.join(map(repr, missing))}")
     name, config, state_dict = checkpoint["class"], checkpoint["config"], checkpoint["state_dict"]
@@ -170,7 +175,7 @@ def _rebuild(checkpoint: Any, where: str, device: torch.device) -> Tuple[torch.n
         raise ValueError(f"{where} is a damaged checkpoint: its config and extra must be dicts")
     if not isinstance(state_dict, dict) or not all(isinstance(t, torch.Tensor) for t in state_dict.values()):
         raise ValueError(f"{where} is a damaged checkpoint: its state_dict must map names to tensors")
-    if _weights_digest(state_dict) != checkpoint["weights_sha256"]:
+    if found == _FORMAT and _weights_digest(state_dict) != checkpoint["weights_sha256"]:
         raise ValueError(f"{where} is corrupted: its weights do not match the SHA-256 digest stored with them")
     try:
         model = _MODELS[name](**config)
