@@ -71,16 +71,17 @@ def test_molecules_smoke_train_save_predict(examples, tmp_path):
     assert metrics["num_test"] == 4 and len(metrics["train_losses"]) == 2
     assert metrics["energy_mae_meV_per_atom"] > 0 and metrics["force_mae_meV_per_A"] > 0
 
-    loaded, extra = load_checkpoint(checkpoint)
-    assert extra["units"]["species"] == list(molecules.SPECIES)
+    loaded, extra = load_checkpoint(checkpoint)  # what E3AttnCalculator.from_checkpoint reads
+    assert extra["species"] == list(molecules.SPECIES)
+    assert len(extra["energy_references"]) == len(molecules.SPECIES) and extra["energy_scale"] > 0
 
     structures = molecules.make_structures(3, seed=123)
     write(tmp_path / "structures.xyz", structures)
     predicted = molecules.main(["--predict", str(checkpoint), "--structures", str(tmp_path / "structures.xyz"),
                                 "--device", "cpu"])
     samples = [molecules.to_sample(a, model.max_radius) for a in structures]
-    expected, _ = molecules.predict(model.eval(), molecules.collate(samples), extra["units"])
-    torch.testing.assert_close(torch.tensor(predicted["energies"]), expected.detach(), atol=1e-4, rtol=0)
+    expected, _ = molecules.predict(model.eval(), molecules.collate(samples), extra)  # batched, without ASE
+    torch.testing.assert_close(torch.tensor(predicted["energies"], dtype=torch.float64), expected.detach().double(), atol=1e-4, rtol=0)
     assert predicted["force_mae_meV_per_A"] > 0  # the xyz file carries the EMT labels
 
 
