@@ -4,8 +4,7 @@ r"""An ASE calculator: an e3attn energy model drives ASE's optimizers, molecular
 :class:`~e3attn.models.EquivariantTransformer` with ``irreps_out="0e"``, ``reduce="sum"`` and one-hot
 elements as node attributes) in the units of ASE: energies in eV, forces in eV/Å, stress in eV/Å³.
 
-Checkpoint format
------------------
+.. rubric:: Checkpoint format
 
 :meth:`E3AttnCalculator.from_checkpoint` reads a file written by
 :func:`~e3attn.models.save_checkpoint` (the model's class, configuration, dtype and weights) whose extras hold

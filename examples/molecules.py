@@ -255,7 +255,8 @@ def parse_args(argv=None):
 
 
 def train(args):
-    """Train on EMT data; returns ``(model, metrics)`` (the model unwrapped from DDP)."""
+    """Train on EMT data; returns ``(model, metrics)`` (the model unwrapped from DDP; ``metrics["units"]``: its
+    species, energy references and energy scale)."""
     from tqdm import tqdm
 
     rank, world, device = init_distributed(args)
@@ -301,6 +302,7 @@ def train(args):
         "num_train": len(train_set),
         "num_test": len(test_set),
         "world_size": world,
+        "units": units,  # species, energy_references, energy_scale: what the checkpoint and the calculator need
     }
     if rank == 0:
         path = _common.figure_path(args.out, "parity.png")

@@ -119,3 +119,33 @@ def test_molecules_amp_on_cpu_warns_and_runs_in_float32(examples):
     with pytest.warns(UserWarning, match="--amp needs a CUDA device"):
         args = molecules.parse_args(["--smoke", "--device", "cpu", "--amp"])
     assert args.amp is False
+
+
+def test_md_smoke_trains_then_loads_the_same_potential(examples, tmp_path):
+    import json
+
+    import md
+
+    checkpoint = tmp_path / "cu.pt"
+    options = ["--smoke", "--device", "cpu", "--quiet", "--checkpoint", str(checkpoint), "--dt", "1", "0.5"]
+    trained = md.main(options + ["--out", str(tmp_path / "md.png"), "--json", str(tmp_path / "md.json")])
+    assert (tmp_path / "md.png").read_bytes()[:8] == PNG and checkpoint.exists()
+    assert json.loads((tmp_path / "md.json").read_text()) == trained
+    labels = ["model, dt = 1 fs", "model, dt = 0.5 fs", "EMT, dt = 1 fs"]
+    assert list(trained["deviation_meV_per_atom"]) == labels and trained["num_atoms"] == 4
+    assert all(0 < d < float("inf") for d in trained["deviation_meV_per_atom"].values())
+    loaded = md.main(options + ["--out", str(tmp_path / "again.png")])  # the checkpoint exists now: no training
+    for label in labels:
+        assert loaded["deviation_meV_per_atom"][label] == pytest.approx(trained["deviation_meV_per_atom"][label],
+                                                                        rel=1e-4)
+
+
+def test_md_starts_from_a_crystal_at_rest_at_the_temperature(examples):
+    import md
+    from ase.units import kB
+
+    atoms = md.copper(100)
+    assert len(atoms) == 108 and atoms.pbc.all()
+    md.thermalize(atoms, 300.0, seed=0)
+    assert abs(atoms.get_momenta().sum(0)).max() < 1e-12
+    assert atoms.get_kinetic_energy() / (1.5 * kB * len(atoms)) == pytest.approx(300.0, rel=0.2)
