@@ -104,7 +104,8 @@ def plot_energies(axes, runs: dict, num_atoms: int) -> None:
     left.set_xlabel("time (fs)")
     left.set_ylabel("energy per atom (meV)")
     left.set_title(label)
-    left.legend(fontsize=8)
+    left.legend(fontsize=8, ncol=3, loc="upper center")
+    left.margins(y=0.3)
     for label, run in runs.items():
         right.plot(run["time_fs"], 1000 * (run["total"] - run["total"][0]) / num_atoms, lw=1,
                    label=f"{label}: {deviation_meV_per_atom(run, num_atoms):.3f} meV/atom")
@@ -147,8 +148,8 @@ def main(argv=None) -> dict:
     thermalize(atoms, args.temperature, args.seed)
     duration = args.steps * args.dt[0]
     runs = {}
-    for name, calculator, steps in [("model", calc, args.dt), ("EMT", EMT(), args.emt_dt)]:
-        for dt in steps:
+    for name, calculator, time_steps in [("model", calc, args.dt), ("EMT", EMT(), args.emt_dt)]:
+        for dt in time_steps:
             runs[f"{name}, dt = {dt:g} fs"] = run_nve(atoms, calculator, dt, round(duration / dt), name, args.quiet)
     n = len(atoms)
     deviations = {label: deviation_meV_per_atom(run, n) for label, run in runs.items()}
@@ -167,11 +168,11 @@ def main(argv=None) -> dict:
         print(f"  {label:20s} {deviations[label]:8.4f} meV/atom   (mean temperature {temperature:5.1f} K)")
     print(f"figure saved to {path}")
     result = {"num_atoms": n, "duration_fs": duration, "temperature_K": args.temperature, "dtype": args.dtype,
-              "deviation_meV_per_atom": deviations, "figure": str(path)}
+              "deviation_meV_per_atom": deviations}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    return result
+    return {**result, "figure": str(path)}
 
 
 if __name__ == "__main__":

@@ -130,6 +130,7 @@ def test_md_smoke_trains_then_loads_the_same_potential(examples, tmp_path):
     options = ["--smoke", "--device", "cpu", "--quiet", "--checkpoint", str(checkpoint), "--dt", "1", "0.5"]
     trained = md.main(options + ["--out", str(tmp_path / "md.png"), "--json", str(tmp_path / "md.json")])
     assert (tmp_path / "md.png").read_bytes()[:8] == PNG and checkpoint.exists()
+    assert trained.pop("figure") == str(tmp_path / "md.png")
     assert json.loads((tmp_path / "md.json").read_text()) == trained
     labels = ["model, dt = 1 fs", "model, dt = 0.5 fs", "EMT, dt = 1 fs"]
     assert list(trained["deviation_meV_per_atom"]) == labels and trained["num_atoms"] == 4

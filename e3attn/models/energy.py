@@ -1,4 +1,4 @@
-r"""Energies and forces of atomistic systems (open or periodic) from a model of the positions."""
+r"""Energies, forces and stress of atomistic systems (open or periodic) from a model of the positions."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
