@@ -300,3 +300,13 @@ def test_from_checkpoint_rebuilds_the_calculator(calc, tmp_path):
     save_checkpoint(model, tmp_path / "bare.pt")
     with pytest.raises(ValueError, match="species"):
         E3AttnCalculator.from_checkpoint(tmp_path / "bare.pt")
+
+
+def test_import_without_ase_says_what_to_install(monkeypatch):
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ase.calculators.calculator", None)  # as if ASE were not installed
+    monkeypatch.delitem(sys.modules, "e3attn.calculator")
+    with pytest.raises(ImportError, match="pip install ase"):
+        importlib.import_module("e3attn.calculator")
