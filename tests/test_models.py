@@ -375,6 +375,17 @@ def crystal_energy_batched(model, pos, cells, batch):
     return energy_and_forces(model, pos, batch=batch, edge_index=edge_index, shifts=shifts, cell=cells)
 
 
+def test_stress_under_inference_mode_equals_stress_with_autograd():
+    model = energy_model(num_layers=1).eval()
+    pos = FRAC @ CELL
+    expected = crystal_stress(model, pos, CELL)
+    with torch.inference_mode():
+        result = crystal_stress(model, pos.clone(), CELL.clone())  # inference tensors in, ordinary tensors out
+    for r, e in zip(result, expected):
+        assert not r.is_inference()
+        torch.testing.assert_close(r, e, atol=0, rtol=0)
+
+
 def test_stress_needs_a_volume():
     model = energy_model()
     pos = FRAC @ CELL

@@ -205,7 +205,12 @@ def _energy_and_gradients(model, pos, x, batch, node_attr, edge_index, shifts, c
     if batch is not None:
         check_batch(batch, pos.shape[0])
     num_graphs = _num_graphs(pos, batch)
-    with torch.enable_grad():
+    # autograd back on locally, also under torch.inference_mode(); inference tensors cannot be recorded: copies
+    with torch.inference_mode(False), torch.enable_grad():
+        pos, x, batch, node_attr, edge_index, shifts, cell = (
+            t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t
+            for t in (pos, x, batch, node_attr, edge_index, shifts, cell)
+        )
         if not pos.requires_grad:
             pos = pos.detach().requires_grad_(True)
         inputs, strained = [pos], pos
@@ -228,8 +233,8 @@ def _energy_and_gradients(model, pos, x, batch, node_attr, edge_index, shifts, c
                 f"model must return one scalar per graph ([{num_graphs}] or [{num_graphs}, 1]), got shape {list(out.shape)}"
             )
         grads = torch.autograd.grad(out.sum(), inputs, create_graph=create_graph, allow_unused=True)
-    forces = torch.zeros_like(pos) if grads[0] is None else -grads[0]
-    if not with_stress:
-        return out, forces, None
-    stress = torch.zeros_like(cell) if grads[1] is None else grads[1] / volume[:, None, None]
+        forces = torch.zeros_like(pos) if grads[0] is None else -grads[0]
+        if not with_stress:
+            return out, forces, None
+        stress = torch.zeros_like(cell) if grads[1] is None else grads[1] / volume[:, None, None]
     return out, forces, stress
