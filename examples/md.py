@@ -1,21 +1,21 @@
-r"""Molecular dynamics with a trained e3attn potential: energy conservation in NVE, next to EMT.
+"""Molecular dynamics with a trained e3attn potential: energy conservation in NVE, next to EMT.
 
-A potential trained on EMT-labelled Cu/Ni/Au structures (``examples/molecules.py``: loaded from
-``--checkpoint``, or trained here) drives ASE's velocity Verlet through
-:class:`e3attn.calculator.E3AttnCalculator` on a periodic fcc copper crystal (108 atoms: 3 x 3 x 3
-cubic cells) from 300 K, for 1,000 steps of 1 fs, then for the same time with steps of 0.5 and 0.25
-fs; ASE's EMT itself runs the same dynamics from the same start. Velocity Verlet conserves the energy
-of a smooth potential with exact forces up to an error of order :math:`\Delta t^2`, so halving the
-step quarters the deviation of the total energy: a jump as atoms cross the cutoff, or forces that are
-not the gradient of the energy, would show as a deviation that does not shrink so.
+A potential trained on EMT-labelled Cu/Ni/Au structures (examples/molecules.py: loaded from
+--checkpoint, or trained here) drives ASE's velocity Verlet through e3attn.calculator.E3AttnCalculator
+on a periodic fcc copper crystal (108 atoms: 3 x 3 x 3 cubic cells) from 300 K, for 1,000 steps of
+1 fs, then for the same time with steps of 0.5 and 0.25 fs; ASE's EMT itself runs the same dynamics
+from the same start. Velocity Verlet conserves the energy of a smooth potential with exact forces up
+to an error of order dt^2, so halving the step quarters the deviation of the total energy: a jump as
+atoms cross the cutoff, or forces that are not the gradient of the energy, would show as a deviation
+that does not shrink so.
 
 Prints the largest deviation of the total energy from its start, per atom, for every run, and plots
-total, potential and kinetic energy against time (PNG)::
+total, potential and kinetic energy against time (PNG):
 
     python examples/md.py [--checkpoint model.pt] [--steps 1000] [--dt 1 0.5 0.25] [--atoms 100]
                           [--temperature 300] [--out md.png] [--json md.json]
 
-``--checkpoint`` loads the file when it exists and otherwise trains (``--epochs``) and saves it there.
+--checkpoint loads the file when it exists and otherwise trains (--epochs) and saves it there.
 """
 import json
 import math
@@ -36,7 +36,7 @@ def copper(min_atoms: int):
 
 
 def thermalize(atoms, temperature_K: float, seed: int) -> None:
-    r"""Maxwell-Boltzmann momenta :math:`p \sim \mathcal{N}(0, m k_B T)`, without centre-of-mass motion."""
+    """Maxwell-Boltzmann momenta, p ~ N(0, m kB T) per component, without centre-of-mass motion."""
     from ase.units import kB
 
     masses = atoms.get_masses()[:, None]
@@ -70,7 +70,7 @@ def run_nve(atoms, calc, dt: float, steps: int, label: str, quiet: bool = False)
 
 
 def deviation_meV_per_atom(run: dict, num_atoms: int) -> float:
-    r""":math:`\max_t |E(t) - E(0)| / N` of the total energy, in meV/atom."""
+    """max_t |E(t) - E(0)| / N of the total energy, in meV/atom."""
     return 1000 * float(np.abs(run["total"] - run["total"][0]).max()) / num_atoms
 
 
