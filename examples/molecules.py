@@ -10,6 +10,11 @@ and one energy per structure; forces are :math:`-\partial E / \partial x` by aut
 :func:`e3attn.radius_graph_pbc`. Energies are fitted relative to a least-squares
 reference energy per element and in units of the RMS force component.
 
+The checkpoint (``--save``) holds the model and what turns its output into eV: the element
+order (``species``), the reference energy of each element (``energy_references``) and the
+scale (``energy_scale``), the format :meth:`e3attn.calculator.E3AttnCalculator.from_checkpoint`
+reads. Prediction (``--predict``) goes through that ASE calculator, as any ASE user would.
+
 Train (prints the held-out energy and force MAE, saves a parity plot and a checkpoint):
 
     python examples/molecules.py [--epochs 30] [--device cuda] [--amp] [--save model.pt] [--out parity.png]
@@ -32,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from e3attn.graph import radius_graph_pbc
-from e3attn.models import EquivariantTransformer, energy_and_forces, load_checkpoint, save_checkpoint
+from e3attn.models import EquivariantTransformer, energy_and_forces, save_checkpoint
 
 import _common  # examples/_common.py: the script's folder is on sys.path
 
@@ -121,7 +126,7 @@ def fit_references(samples) -> dict:
     energies = torch.stack([s["energy"] for s in samples]).double()
     refs = torch.linalg.lstsq(counts, energies[:, None]).solution[:, 0]
     scale = torch.cat([s["forces"] for s in samples]).double().pow(2).mean().sqrt()
-    return {"species": list(SPECIES), "references": refs.tolist(), "scale": float(scale)}
+    return {"species": list(SPECIES), "energy_references": refs.tolist(), "energy_scale": float(scale)}
 
 
 # ------------------------------------------------------------------ model
@@ -143,15 +148,16 @@ def predict(model, batch: dict, units: dict, amp: bool = False, create_graph: bo
             model, batch["pos"], batch=batch["batch"], node_attr=node_attr, edge_index=batch["edge_index"],
             shifts=batch["shifts"], cell=batch["cell"], create_graph=create_graph,
         )
-    refs = torch.tensor(units["references"], dtype=energy.dtype, device=energy.device)
+    refs = torch.tensor(units["energy_references"], dtype=energy.dtype, device=energy.device)
     reference = torch.zeros_like(energy).index_add_(0, batch["batch"], refs[batch["species"]])
-    return units["scale"] * energy.float() + reference, units["scale"] * forces.float()
+    scale = units["energy_scale"]
+    return scale * energy.float() + reference, scale * forces.float()
 
 
 def loss_fn(energy, forces, batch, units, force_weight):
     """Energy per atom and force components, both in units of the RMS force (times 1 Angstrom)."""
-    e = (energy - batch["energy"]) / batch["num_atoms"].to(energy.dtype) / units["scale"]
-    f = (forces - batch["forces"]) / units["scale"]
+    e = (energy - batch["energy"]) / batch["num_atoms"].to(energy.dtype) / units["energy_scale"]
+    f = (forces - batch["forces"]) / units["energy_scale"]
     return e.pow(2).mean() + force_weight * f.pow(2).mean()
 
 
@@ -251,7 +257,8 @@ def parse_args(argv=None):
 
 
 def train(args):
-    """Train on EMT data; returns ``(model, metrics)`` (the model unwrapped from DDP)."""
+    """Train on EMT data; returns ``(model, metrics)`` (the model unwrapped from DDP; ``metrics["units"]``: its
+    species, energy references and energy scale)."""
     from tqdm import tqdm
 
     rank, world, device = init_distributed(args)
@@ -297,14 +304,15 @@ def train(args):
         "num_train": len(train_set),
         "num_test": len(test_set),
         "world_size": world,
+        "units": units,  # species, energy_references, energy_scale: what the checkpoint and the calculator need
     }
     if rank == 0:
         path = _common.figure_path(args.out, "parity.png")
         plot_parity(result, path)
         metrics["figure"] = str(path)
         if args.save:
-            save_checkpoint(module, args.save, units=units, metrics={k: metrics[k] for k in
-                                                                     ("energy_mae_meV_per_atom", "force_mae_meV_per_A")})
+            save_checkpoint(module, args.save, **units, metrics={k: metrics[k] for k in
+                                                                 ("energy_mae_meV_per_atom", "force_mae_meV_per_A")})
         print(f"held-out ({len(test_set)} structures): energy MAE {metrics['energy_mae_meV_per_atom']:.1f} meV/atom, "
               f"force MAE {metrics['force_mae_meV_per_A']:.1f} meV/A; parity plot saved to {path}")
     if args.ddp:
@@ -313,15 +321,13 @@ def train(args):
 
 
 def predict_main(args) -> dict:
-    """Load ``args.predict``, predict energies and forces, and compare with EMT when labels exist."""
-    device = torch.device(args.device)
+    """Load ``args.predict`` as an ASE calculator, predict energies and forces, and compare with EMT's labels."""
+    from e3attn.calculator import E3AttnCalculator
+
     try:
-        model, extra = load_checkpoint(args.predict, map_location=device)
+        calc = E3AttnCalculator.from_checkpoint(args.predict, device=args.device)
     except (OSError, ValueError) as err:
         _common.fail(f"--predict: {err}")
-    if "units" not in extra:
-        _common.fail(f"--predict: {args.predict} has no 'units': it was not saved by molecules.py --save")
-    units = extra["units"]
     if args.structures:
         from ase.io import read
 
@@ -329,17 +335,18 @@ def predict_main(args) -> dict:
     else:
         structures = make_structures(args.test, args.seed + 20_000)
     labelled = all(a.calc is not None for a in structures)
-    samples = [to_sample(a, model.max_radius, labelled) for a in structures]
-    energies = []
-    for start in range(0, len(samples), 16):
-        energy, _ = predict(model, to_device(collate(samples[start : start + 16]), device), units)
-        energies += energy.detach().cpu().tolist()
-    for atoms, e in zip(structures, energies):
-        print(f"{atoms.get_chemical_formula():>12s}  predicted energy {e:10.4f} eV")
+    energies, energy_errors, force_errors = [], [], []
+    for atoms in structures:
+        energy, forces = calc.get_potential_energy(atoms), calc.get_forces(atoms)
+        energies.append(energy)
+        print(f"{atoms.get_chemical_formula():>12s}  predicted energy {energy:10.4f} eV")
+        if labelled:  # the labels stay on the structures' own (single-point) calculators
+            energy_errors.append(abs(energy - atoms.get_potential_energy()) / len(atoms))
+            force_errors.append(np.abs(forces - atoms.get_forces()).ravel())
     metrics = {"energies": energies}
     if labelled:
-        result = evaluate(model, samples, units, device)
-        metrics.update({k: result[k] for k in ("energy_mae_meV_per_atom", "force_mae_meV_per_A")})
+        metrics["energy_mae_meV_per_atom"] = 1000 * float(np.mean(energy_errors))
+        metrics["force_mae_meV_per_A"] = 1000 * float(np.concatenate(force_errors).mean())
         print(f"against EMT: energy MAE {metrics['energy_mae_meV_per_atom']:.1f} meV/atom, "
               f"force MAE {metrics['force_mae_meV_per_A']:.1f} meV/A")
     return metrics

@@ -15,7 +15,7 @@ import e3attn
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 README = DOCS.parent / "README.md"
-PACKAGES = ["e3attn", "e3attn.testing", "e3attn.viz", "e3attn.models"]
+PACKAGES = ["e3attn", "e3attn.testing", "e3attn.viz", "e3attn.models", "e3attn.calculator"]
 
 
 def documented_modules() -> set:

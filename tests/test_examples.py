@@ -73,16 +73,17 @@ def test_molecules_smoke_train_save_predict(examples, tmp_path):
     assert metrics["num_test"] == 4 and len(metrics["train_losses"]) == 2
     assert metrics["energy_mae_meV_per_atom"] > 0 and metrics["force_mae_meV_per_A"] > 0
 
-    loaded, extra = load_checkpoint(checkpoint)
-    assert extra["units"]["species"] == list(molecules.SPECIES)
+    loaded, extra = load_checkpoint(checkpoint)  # what E3AttnCalculator.from_checkpoint reads
+    assert extra["species"] == list(molecules.SPECIES)
+    assert len(extra["energy_references"]) == len(molecules.SPECIES) and extra["energy_scale"] > 0
 
     structures = molecules.make_structures(3, seed=123)
     write(tmp_path / "structures.xyz", structures)
     predicted = molecules.main(["--predict", str(checkpoint), "--structures", str(tmp_path / "structures.xyz"),
                                 "--device", "cpu"])
     samples = [molecules.to_sample(a, model.max_radius) for a in structures]
-    expected, _ = molecules.predict(model.eval(), molecules.collate(samples), extra["units"])
-    torch.testing.assert_close(torch.tensor(predicted["energies"]), expected.detach(), atol=1e-4, rtol=0)
+    expected, _ = molecules.predict(model.eval(), molecules.collate(samples), extra)  # batched, without ASE
+    torch.testing.assert_close(torch.tensor(predicted["energies"], dtype=torch.float64), expected.detach().double(), atol=1e-4, rtol=0)
     assert predicted["force_mae_meV_per_A"] > 0  # the xyz file carries the EMT labels
 
 
@@ -194,7 +195,38 @@ def test_predict_with_a_file_that_is_not_a_checkpoint(examples, capsys, tmp_path
     no_units = tmp_path / "other.pt"
     save_checkpoint(EquivariantTransformer("1x0e", "4x0e", "0e", 1.5, num_layers=1), no_units)
     for path, match in [(not_a_checkpoint, "is not a checkpoint"), (tmp_path / "absent.pt", "No such file"),
-                        (no_units, "has no 'units'")]:
+                        (no_units, "species")]:
         code, _, err = run_main("molecules", ["--predict", str(path), "--device", "cpu"], capsys)
         assert code == 2 and len(err.strip().splitlines()) == 1 and match in err
         assert "weights_only=False" not in err and "Traceback" not in err
+
+
+def test_md_smoke_trains_then_loads_the_same_potential(examples, tmp_path):
+    import json
+
+    import md
+
+    checkpoint = tmp_path / "cu.pt"
+    options = ["--smoke", "--device", "cpu", "--quiet", "--checkpoint", str(checkpoint), "--dt", "1", "0.5"]
+    trained = md.main(options + ["--out", str(tmp_path / "md.png"), "--json", str(tmp_path / "md.json")])
+    assert (tmp_path / "md.png").read_bytes()[:8] == PNG and checkpoint.exists()
+    assert trained.pop("figure") == str(tmp_path / "md.png")
+    assert json.loads((tmp_path / "md.json").read_text()) == trained
+    labels = ["model, dt = 1 fs", "model, dt = 0.5 fs", "EMT, dt = 1 fs"]
+    assert list(trained["deviation_meV_per_atom"]) == labels and trained["num_atoms"] == 4
+    assert all(0 < d < float("inf") for d in trained["deviation_meV_per_atom"].values())
+    loaded = md.main(options + ["--out", str(tmp_path / "again.png")])  # the checkpoint exists now: no training
+    for label in labels:
+        assert loaded["deviation_meV_per_atom"][label] == pytest.approx(trained["deviation_meV_per_atom"][label],
+                                                                        rel=1e-4)
+
+
+def test_md_starts_from_a_crystal_at_rest_at_the_temperature(examples):
+    import md
+    from ase.units import kB
+
+    atoms = md.copper(100)
+    assert len(atoms) == 108 and atoms.pbc.all()
+    md.thermalize(atoms, 300.0, seed=0)
+    assert abs(atoms.get_momenta().sum(0)).max() < 1e-12
+    assert atoms.get_kinetic_energy() / (1.5 * kB * len(atoms)) == pytest.approx(300.0, rel=0.2)

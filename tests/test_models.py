@@ -8,7 +8,7 @@ from e3nn import o3
 from e3attn.graph import radius_graph_pbc
 from e3attn.heads import split_heads
 from e3attn.models.checkpoint import load_checkpoint, save_checkpoint
-from e3attn.models.energy import edge_vectors, energy_and_forces
+from e3attn.models.energy import edge_vectors, energy_and_forces, energy_forces_stress
 from e3attn.models.norm import EquivariantLayerNorm
 from e3attn.models.gate import Gate, second_moment_constant
 from e3attn.models.transformer import EquivariantTransformer
@@ -337,6 +337,66 @@ def test_crystal_forces_equal_finite_differences():
     _, forces = crystal_energy(model, pos, CELL)
     expected = minus_gradient(lambda p: crystal_energy(model, p, CELL)[0], pos)
     torch.testing.assert_close(forces, expected, atol=1e-8, rtol=0)
+
+
+def crystal_stress(model, pos, cell, batch=None):
+    """Energy, forces and stress of crystals ``[B, 3, 3]`` (or one ``[3, 3]``) on their periodic graph."""
+    edge_index, shifts = radius_graph_pbc(pos, cell, True, model.max_radius, batch)
+    return energy_forces_stress(model, pos, batch=batch, cell=cell, edge_index=edge_index, shifts=shifts)
+
+
+def test_crystal_stress_equals_finite_strain_derivative_in_a_batch():
+    model = energy_model(num_layers=1)
+    cells = torch.stack([CELL, torch.tensor([[2.2, 0.1, 0.0], [0.0, 2.1, 0.2], [-0.3, 0.0, 2.4]], dtype=torch.float64)])
+    pos = torch.cat([FRAC @ cells[0], FRAC.flip(0) @ cells[1]])
+    batch = torch.tensor([0, 0, 0, 1, 1, 1])
+    energy, forces, stress = crystal_stress(model, pos, cells, batch)
+    assert stress.shape == (2, 3, 3) and stress.abs().max() > 1e-2
+    torch.testing.assert_close(stress, stress.transpose(1, 2), atol=1e-14, rtol=0)
+    torch.testing.assert_close((energy, forces), crystal_energy_batched(model, pos, cells, batch), atol=1e-12, rtol=0)
+    for b in range(2):
+        pos_b, cell_b = pos[batch == b], cells[b]
+        single = crystal_stress(model, pos_b, cell_b)
+        torch.testing.assert_close(single[2][0], stress[b], atol=1e-12, rtol=0)
+        for i, j in [(0, 0), (1, 1), (2, 2), (1, 2), (0, 2), (0, 1)]:
+            unit = torch.zeros(3, 3, dtype=torch.float64)
+            unit[i, j] = unit[j, i] = 1.0 if i == j else 0.5
+            h = 1e-6
+            plus = torch.eye(3, dtype=torch.float64) + h * unit
+            minus = torch.eye(3, dtype=torch.float64) - h * unit
+            derivative = (crystal_stress(model, pos_b @ plus, cell_b @ plus)[0]
+                          - crystal_stress(model, pos_b @ minus, cell_b @ minus)[0]) / (2 * h)
+            expected = derivative / torch.linalg.det(cell_b).abs()
+            torch.testing.assert_close(stress[b, i, j], expected[0], atol=1e-8, rtol=0)
+
+
+def crystal_energy_batched(model, pos, cells, batch):
+    edge_index, shifts = radius_graph_pbc(pos, cells, True, model.max_radius, batch)
+    return energy_and_forces(model, pos, batch=batch, edge_index=edge_index, shifts=shifts, cell=cells)
+
+
+def test_stress_under_inference_mode_equals_stress_with_autograd():
+    model = energy_model(num_layers=1).eval()
+    pos = FRAC @ CELL
+    expected = crystal_stress(model, pos, CELL)
+    with torch.inference_mode():
+        result = crystal_stress(model, pos.clone(), CELL.clone())  # inference tensors in, ordinary tensors out
+    for r, e in zip(result, expected):
+        assert not r.is_inference()
+        torch.testing.assert_close(r, e, atol=0, rtol=0)
+
+
+def test_stress_needs_a_volume():
+    model = energy_model()
+    pos = FRAC @ CELL
+    flat = CELL.clone()
+    flat[2] = 0.0
+    with pytest.raises(ValueError, match="linearly independent"):
+        energy_forces_stress(model, pos, cell=flat)
+    with pytest.raises(ValueError, match=r"shape \[3, 3\] or \[B, 3, 3\]"):
+        energy_forces_stress(model, pos, cell=None)
+    energy, forces, stress = energy_forces_stress(model, pos[:0], cell=CELL)  # no atoms, no graphs
+    assert energy.shape == (0,) and forces.shape == (0, 3) and stress.shape == (0, 3, 3)
 
 
 def test_edge_vectors_per_graph_cells():

@@ -1,7 +1,7 @@
 r"""Complete models built from :class:`~e3attn.EquivariantAttention`: the equivariant transformer,
 energies and forces, checkpoints."""
 from .checkpoint import load_checkpoint, save_checkpoint
-from .energy import edge_vectors, energy_and_forces
+from .energy import edge_vectors, energy_and_forces, energy_forces_stress
 from .gate import Gate, second_moment_constant
 from .norm import EquivariantLayerNorm
 from .transformer import EquivariantTransformer
@@ -13,6 +13,7 @@ __all__ = [
     "second_moment_constant",
     "edge_vectors",
     "energy_and_forces",
+    "energy_forces_stress",
     "save_checkpoint",
     "load_checkpoint",
 ]

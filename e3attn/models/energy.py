@@ -1,4 +1,4 @@
-r"""Energies and forces of atomistic systems (open or periodic) from a model of the positions."""
+r"""Energies, forces and stress of atomistic systems (open or periodic) from a model of the positions."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -7,7 +7,7 @@ import torch
 
 from .._checks import check_batch, check_dtype, check_edge_index, check_pos
 
-__all__ = ["edge_vectors", "energy_and_forces"]
+__all__ = ["edge_vectors", "energy_and_forces", "energy_forces_stress"]
 
 
 def edge_vectors(
@@ -117,8 +117,99 @@ def energy_and_forces(
         >>> energy.shape, forces.shape
         (torch.Size([1]), torch.Size([6, 3]))
     """
+    energy, forces, _ = _energy_and_gradients(
+        model, pos, x, batch, node_attr, edge_index, shifts, cell, create_graph, with_stress=False
+    )
+    return energy, forces
+
+
+def energy_forces_stress(
+    model: torch.nn.Module,
+    pos: torch.Tensor,
+    x: Optional[torch.Tensor] = None,
+    batch: Optional[torch.Tensor] = None,
+    *,
+    cell: torch.Tensor,
+    node_attr: Optional[torch.Tensor] = None,
+    edge_index: Optional[torch.Tensor] = None,
+    shifts: Optional[torch.Tensor] = None,
+    create_graph: Optional[bool] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""Energy and forces as :func:`energy_and_forces`, and the stress of every graph.
+
+    The stress is the derivative of the energy with respect to a homogeneous symmetric strain
+    :math:`\varepsilon_b` of graph :math:`b`, which moves its atoms and its lattice together,
+    divided by its volume:
+
+    .. math::
+
+        x_i \mapsto x_i (1 + \varepsilon_b), \quad C_b \mapsto C_b (1 + \varepsilon_b), \qquad
+        \sigma_b = \frac{1}{|\det C_b|} \frac{\partial E_b}{\partial \varepsilon_b}\Big|_{\varepsilon = 0}
+
+    (positions and lattice vectors as rows). This is ASE's convention (``atoms.get_stress()``,
+    in energy per volume; negative under compression). One backward pass gives the forces and
+    the stress together. Atoms, lattice vectors and periodic images all follow the strain, so
+    the graph may be periodic along some directions only (pass the ``shifts`` of
+    :func:`~e3attn.radius_graph_pbc`), or open (no ``shifts``: the cell then only gives the
+    volume).
+
+    Args:
+        model, pos, x, batch, node_attr, edge_index, shifts, create_graph: as for :func:`energy_and_forces`.
+        cell: ``[3, 3]`` shared lattice or ``[B, 3, 3]`` one per graph, of non-zero volume.
+
+    Returns:
+        ``(energy [B], forces [N, 3], stress [B, 3, 3])``, the stress symmetric.
+
+    Raises:
+        ValueError: when a cell has zero volume, or on malformed input.
+
+    Example::
+
+        >>> from e3attn.models import EquivariantTransformer
+        >>> model = EquivariantTransformer("1x0e", "8x0e + 2x1o", "0e", 1.5, reduce="sum")
+        >>> from e3attn.graph import radius_graph_pbc
+        >>> pos, cell = 2 * torch.rand(5, 3), 2.0 * torch.eye(3)
+        >>> edge_index, shifts = radius_graph_pbc(pos, cell, True, 1.5)
+        >>> energy, forces, stress = energy_forces_stress(
+        ...     model, pos, cell=cell, edge_index=edge_index, shifts=shifts
+        ... )
+        >>> stress.shape, bool(torch.allclose(stress, stress.transpose(1, 2)))
+        (torch.Size([1, 3, 3]), True)
+    """
+    return _energy_and_gradients(model, pos, x, batch, node_attr, edge_index, shifts, cell, create_graph, with_stress=True)
+
+
+def _num_graphs(pos: torch.Tensor, batch: Optional[torch.Tensor]) -> int:
+    return 0 if pos.shape[0] == 0 else 1 if batch is None else int(batch.max()) + 1
+
+
+def _strain_cells(cell, num_graphs: int, pos: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``cell`` as ``[B, 3, 3]`` in the dtype of ``pos``, and the volumes ``[B]``, all non-zero."""
+    if not isinstance(cell, torch.Tensor) or cell.shape[-2:] != (3, 3) or cell.dim() not in (2, 3):
+        raise ValueError(f"cell must be a tensor of shape [3, 3] or [B, 3, 3] for the stress, got {_shape(cell)}")
+    cell = cell.to(pos.dtype).reshape(-1, 3, 3)
+    if cell.shape[0] == 1:
+        cell = cell.expand(num_graphs, 3, 3)
+    elif cell.shape[0] != num_graphs:
+        raise ValueError(f"cell holds {cell.shape[0]} lattices but batch describes {num_graphs} graphs")
+    volume = torch.linalg.det(cell).abs()
+    if not bool((volume.detach() > 0).all()):
+        raise ValueError("cell must have three linearly independent lattice vectors (a volume) for the stress")
+    return cell, volume
+
+
+def _energy_and_gradients(model, pos, x, batch, node_attr, edge_index, shifts, cell, create_graph, with_stress: bool):
+    """``(energy [B], forces [N, 3], stress [B, 3, 3] or None)`` from one backward pass."""
     check_pos(pos)
     create_graph = model.training if create_graph is None else bool(create_graph)
+    if shifts is not None and edge_index is None:
+        raise ValueError("shifts were given without edge_index: pass both from radius_graph_pbc")
+    if shifts is None and cell is not None and not with_stress:
+        raise ValueError("cell was given without shifts: pass the edge_index and shifts of radius_graph_pbc")
+    if batch is not None:
+        check_batch(batch, pos.shape[0])
+    num_graphs = _num_graphs(pos, batch)
+    # autograd back on locally, also under torch.inference_mode(); inference tensors cannot be recorded: copies
     with torch.inference_mode(False), torch.enable_grad():
         pos, x, batch, node_attr, edge_index, shifts, cell = (
             t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t
@@ -126,21 +217,28 @@ def energy_and_forces(
         )
         if not pos.requires_grad:
             pos = pos.detach().requires_grad_(True)
-        edge_vec = None
-        if shifts is not None:
-            if edge_index is None:
-                raise ValueError("shifts were given without edge_index: pass both from radius_graph_pbc")
-            edge_vec = edge_vectors(pos, edge_index, shifts, cell, batch)
-        elif cell is not None:
-            raise ValueError("cell was given without shifts: pass the edge_index and shifts of radius_graph_pbc")
-        out = model(pos, x, batch, edge_index, edge_vec, node_attr=node_attr)
+        inputs, strained = [pos], pos
+        if with_stress:
+            cell, volume = _strain_cells(cell, num_graphs, pos)
+            if num_graphs == 0:
+                return pos.new_zeros(0), torch.zeros_like(pos), cell.new_zeros(0, 3, 3)
+            strain = pos.new_zeros(num_graphs, 3, 3, requires_grad=True)
+            symmetric = 0.5 * (strain + strain.transpose(1, 2))
+            graph = torch.zeros_like(pos[:, 0], dtype=torch.long) if batch is None else batch.long()
+            strained = pos + torch.einsum("ni,nij->nj", pos, symmetric[graph])
+            cell = cell + cell @ symmetric
+            inputs.append(strain)
+        edge_vec = None if shifts is None else edge_vectors(strained, edge_index, shifts, cell, batch)
+        out = model(strained, x, batch, edge_index, edge_vec, node_attr=node_attr)
         if out.dim() == 2 and out.shape[1] == 1:
             out = out[:, 0]
-        num_graphs = 0 if pos.shape[0] == 0 else 1 if batch is None else int(batch.max()) + 1
         if out.shape != (num_graphs,):
             raise ValueError(
                 f"model must return one scalar per graph ([{num_graphs}] or [{num_graphs}, 1]), got shape {list(out.shape)}"
             )
-        (grad,) = torch.autograd.grad(out.sum(), pos, create_graph=create_graph, allow_unused=True)
-        forces = torch.zeros_like(pos) if grad is None else -grad
-    return out, forces
+        grads = torch.autograd.grad(out.sum(), inputs, create_graph=create_graph, allow_unused=True)
+        forces = torch.zeros_like(pos) if grads[0] is None else -grads[0]
+        if not with_stress:
+            return out, forces, None
+        stress = torch.zeros_like(cell) if grads[1] is None else grads[1] / volume[:, None, None]
+    return out, forces, stress

@@ -1,0 +1,247 @@
+r"""An ASE calculator: an e3attn energy model drives ASE's optimizers, molecular dynamics and tools.
+
+:class:`E3AttnCalculator` wraps a model of one energy per structure (an
+:class:`~e3attn.models.EquivariantTransformer` with ``irreps_out="0e"``, ``reduce="sum"`` and one-hot
+elements as node attributes) in the units of ASE: energies in eV, forces in eV/Å, stress in eV/Å³.
+
+.. rubric:: Checkpoint format
+
+:meth:`E3AttnCalculator.from_checkpoint` reads a file written by
+:func:`~e3attn.models.save_checkpoint` (the model's class, configuration, dtype and weights) whose extras hold
+
+=====================  ======================================================================================
+``species``            list of element symbols, in the order of the one-hot node attributes (required)
+``energy_references``  list of floats, the reference energy of each element in eV (default: zeros)
+``energy_scale``       float, the energy in eV of one unit of the model's output (default 1); the model
+                       learns forces in units of ``energy_scale`` eV/Å, the same number, since forces are
+                       the exact gradient of the energy
+=====================  ======================================================================================
+
+and anything else (metrics, say), which is ignored. ``examples/molecules.py --save`` writes it::
+
+    save_checkpoint(model, "model.pt", species=["Cu", "Ni", "Au"], energy_references=[-0.02, -0.01, 0.03],
+                    energy_scale=0.41)
+
+This module needs ASE (``pip install ase``); importing it without ASE raises an :class:`ImportError` that says so.
+"""
+from __future__ import annotations
+
+import math
+import os
+from numbers import Integral, Real
+from typing import Mapping, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+try:
+    from ase.calculators.calculator import Calculator, PropertyNotImplementedError, all_changes
+    from ase.data import atomic_numbers, chemical_symbols
+except ImportError as error:  # pragma: no cover - exercised only without ASE
+    raise ImportError("e3attn.calculator needs ASE: pip install ase (or pip install 'e3attn[examples]')") from error
+
+from .graph import radius_graph_pbc
+from .models.checkpoint import load_checkpoint
+from .models.energy import energy_and_forces, energy_forces_stress
+
+__all__ = ["E3AttnCalculator"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def _atomic_numbers(species: Sequence[Union[str, int]]) -> np.ndarray:
+    """The atomic numbers of ``species`` (element symbols or atomic numbers), all distinct and known."""
+    if isinstance(species, (str, bytes)) or not isinstance(species, Sequence) or len(species) == 0:
+        raise ValueError(f"species must be a non-empty sequence of element symbols, got {species!r}")
+    numbers = []
+    for s in species:
+        if isinstance(s, str) and s in atomic_numbers and s != "X":
+            numbers.append(atomic_numbers[s])
+        elif isinstance(s, Integral) and not isinstance(s, bool) and 1 <= s < len(chemical_symbols):
+            numbers.append(int(s))
+        else:
+            raise ValueError(f"species must hold element symbols such as 'Cu' (or atomic numbers), got {s!r}")
+    if len(set(numbers)) != len(numbers):
+        raise ValueError(f"species must not repeat an element, got {list(species)}")
+    return np.array(numbers)
+
+
+def _references(energy_references, symbols: Sequence[str]) -> np.ndarray:
+    """Reference energies as a float64 array in the order of ``symbols``."""
+    if energy_references is None:
+        return np.zeros(len(symbols))
+    if isinstance(energy_references, Mapping):
+        if set(energy_references) != set(symbols):
+            raise ValueError(
+                f"energy_references must give one energy for each of the species {list(symbols)}, "
+                f"got keys {sorted(energy_references)}"
+            )
+        energy_references = [energy_references[s] for s in symbols]
+    refs = np.asarray(torch.as_tensor(energy_references, dtype=torch.float64).cpu())
+    if refs.shape != (len(symbols),) or not np.isfinite(refs).all():
+        raise ValueError(
+            f"energy_references must be {len(symbols)} finite numbers (one per species), got {energy_references!r}"
+        )
+    return refs
+
+
+class E3AttnCalculator(Calculator):
+    r"""An ASE calculator of the energy, forces and stress of an e3attn model.
+
+    With elements :math:`z_i` (their index in ``species`` as one-hot node attributes), the model's output
+    :math:`\hat E` (one number per structure), the energy scale :math:`s` and the per-element reference
+    energies :math:`e_z`:
+
+    .. math::
+
+        E = s\,\hat E(x, C) + \sum_i e_{z_i}, \qquad
+        F_i = -\frac{\partial E}{\partial x_i}, \qquad
+        \sigma = \frac{1}{|\det C|} \frac{\partial E}{\partial \varepsilon}\Big|_{\varepsilon = 0}
+
+    where the symmetric strain :math:`\varepsilon` maps positions and lattice vectors (rows)
+    :math:`x \mapsto x (1 + \varepsilon)`, :math:`C \mapsto C (1 + \varepsilon)`. ``free_energy`` equals
+    ``energy``; ``stress`` is the 6-vector :math:`(\sigma_{xx}, \sigma_{yy}, \sigma_{zz}, \sigma_{yz},
+    \sigma_{xz}, \sigma_{xy})` of ASE (eV/Å³), defined whenever the cell has three lattice vectors, like
+    ASE's own EMT. Forces and stress come from one backward pass (:func:`~e3attn.models.energy_forces_stress`)
+    over the graph of :func:`~e3attn.radius_graph_pbc` (periodic along the directions of ``atoms.pbc``:
+    open, periodic and mixed boundaries), rebuilt for every new configuration. Every property is computed at
+    once and cached by ASE: asking again for unchanged atoms computes nothing.
+
+    The model is called as ``model(pos, None, None, edge_index, edge_vec, node_attr=one_hot)`` and must
+    have a ``max_radius`` attribute (the cutoff); it is moved to ``device`` and cast to ``dtype`` in place
+    (like ``model.to``) and put in evaluation mode.
+
+    Args:
+        model: the energy model, e.g. an :class:`~e3attn.models.EquivariantTransformer` with
+            ``irreps_out="0e"``, ``reduce="sum"`` and ``irreps_node_attr=f"{len(species)}x0e"``.
+        species: the elements the model knows, as symbols (``["Cu", "Ni"]``) or atomic numbers, in
+            the order of the one-hot node attributes.
+        energy_references: the reference energy of each element in eV, a sequence in the order of
+            ``species`` or a mapping from symbol to energy; default zeros.
+        energy_scale: eV per unit of the model's output, a positive number.
+        device: where to run the model (default: where its parameters are).
+        dtype: the dtype to run the model in (default: that of its parameters); results are float64.
+
+    Raises:
+        ValueError: on malformed arguments, and when computing atoms with elements not in ``species``.
+
+    Example::
+
+        >>> from ase.build import bulk
+        >>> from e3attn.models import EquivariantTransformer
+        >>> model = EquivariantTransformer("1x0e", "8x0e + 4x1o", "0e", 3.0, irreps_node_attr="2x0e", reduce="sum")
+        >>> atoms = bulk("Cu", "fcc", a=3.6, cubic=True)
+        >>> atoms.calc = E3AttnCalculator(model, ["Cu", "Ni"], energy_references={"Cu": -3.5, "Ni": -4.4})
+        >>> atoms.get_forces().shape, atoms.get_stress().shape
+        ((4, 3), (6,))
+    """
+
+    implemented_properties = ["energy", "free_energy", "forces", "stress"]
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        species: Sequence[Union[str, int]],
+        *,
+        energy_references: Optional[Union[Sequence[float], Mapping[str, float]]] = None,
+        energy_scale: float = 1.0,
+        device: Optional[Union[str, torch.device]] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        max_radius = getattr(model, "max_radius", None)
+        if isinstance(max_radius, bool) or not isinstance(max_radius, Real) or not 0 < max_radius < math.inf:
+            raise ValueError(f"model must have a positive max_radius attribute (its cutoff), got {max_radius!r}")
+        numbers = _atomic_numbers(species)
+        attributes = getattr(model, "irreps_node_attr", None)
+        if attributes is not None and attributes.dim != len(numbers):
+            raise ValueError(
+                f"the model takes {attributes.dim} node attributes but species names {len(numbers)} elements"
+            )
+        if isinstance(energy_scale, bool) or not isinstance(energy_scale, Real) or not 0 < energy_scale < math.inf:
+            raise ValueError(f"energy_scale must be a positive finite number, got {energy_scale!r}")
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        parameter = next(model.parameters(), None)
+        self.device = torch.device(device) if device is not None else (
+            parameter.device if parameter is not None else torch.device("cpu")
+        )
+        self.dtype = dtype or (parameter.dtype if parameter is not None else torch.get_default_dtype())
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.max_radius = float(max_radius)
+        self.species = [chemical_symbols[z] for z in numbers]
+        self.energy_references = _references(energy_references, self.species)
+        self.energy_scale = float(energy_scale)
+        self._index = np.full(len(chemical_symbols), -1)
+        self._index[numbers] = np.arange(len(numbers))
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: PathLike,
+        *,
+        device: Optional[Union[str, torch.device]] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> "E3AttnCalculator":
+        r"""The calculator of a checkpoint in the format above (model, ``species``, ``energy_references``,
+        ``energy_scale``), its model on ``device`` (default CPU) in ``dtype`` (default: as saved).
+
+        .. math:: \text{calculator} = \mathrm{E3AttnCalculator}(\text{model}, \text{extra}[\texttt{species}], \dots)
+
+        Raises:
+            ValueError: when the checkpoint has no ``species``.
+
+        Example::
+
+            >>> import os, tempfile
+            >>> from e3attn.models import EquivariantTransformer, save_checkpoint
+            >>> model = EquivariantTransformer("1x0e", "8x0e + 4x1o", "0e", 3.0, irreps_node_attr="1x0e", reduce="sum")
+            >>> path = os.path.join(tempfile.mkdtemp(), "model.pt")
+            >>> save_checkpoint(model, path, species=["Cu"], energy_references=[-3.5], energy_scale=0.4)
+            >>> calc = E3AttnCalculator.from_checkpoint(path, dtype=torch.float64)
+            >>> calc.species, calc.energy_scale, calc.dtype
+            (['Cu'], 0.4, torch.float64)
+        """
+        model, extra = load_checkpoint(path, map_location=device if device is not None else "cpu")
+        if "species" not in extra:
+            raise ValueError(
+                f"checkpoint {os.fspath(path)!r} holds no 'species': save it with save_checkpoint(model, path, "
+                f"species=[...], energy_references=[...], energy_scale=...) (see e3attn.calculator)"
+            )
+        return cls(
+            model, extra["species"], energy_references=extra.get("energy_references"),
+            energy_scale=extra.get("energy_scale", 1.0), device=device, dtype=dtype,
+        )
+
+    def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes) -> None:
+        """Compute every property of ``atoms`` at once into ``self.results`` (ASE calls this as needed)."""
+        super().calculate(atoms, properties, system_changes)
+        atoms = self.atoms
+        index = self._index[atoms.numbers]
+        if (index < 0).any():
+            unknown = sorted({chemical_symbols[z] for z in atoms.numbers[index < 0]})
+            raise ValueError(f"atoms hold elements {unknown} that the model does not know; it knows {self.species}")
+        has_volume = atoms.cell.rank == 3
+        if "stress" in properties and not has_volume:
+            raise PropertyNotImplementedError("stress needs a cell of three lattice vectors (a volume)")
+        as_tensor = dict(dtype=self.dtype, device=self.device)
+        pos = torch.as_tensor(atoms.positions, **as_tensor)
+        cell = torch.as_tensor(atoms.cell.array, **as_tensor)
+        energy = float(self.energy_references[index].sum())
+        forces, stress = np.zeros((len(atoms), 3)), np.zeros((3, 3))
+        if len(atoms) > 0:
+            edge_index, shifts = radius_graph_pbc(pos, cell, torch.as_tensor(atoms.pbc), self.max_radius)
+            node_attr = torch.nn.functional.one_hot(torch.as_tensor(index, device=self.device), len(self.species))
+            graph = dict(node_attr=node_attr.to(self.dtype), edge_index=edge_index, shifts=shifts, create_graph=False)
+            if has_volume:
+                out, f, s = energy_forces_stress(self.model, pos, cell=cell, **graph)
+                stress = self.energy_scale * s[0].detach().cpu().double().numpy()
+            else:
+                out, f = energy_and_forces(self.model, pos, cell=cell, **graph)
+            energy += self.energy_scale * float(out.detach()[0])
+            forces = self.energy_scale * f.detach().cpu().double().numpy()
+        self.results = {"energy": energy, "free_energy": energy, "forces": forces}
+        if has_volume:
+            self.results["stress"] = stress.flat[[0, 4, 8, 5, 2, 1]]

@@ -1,0 +1,312 @@
+"""The ASE calculator: exact gradients (forces, stress), symmetry, ASE's optimizers, dynamics and caching."""
+import numpy as np
+import pytest
+import torch
+from e3nn import o3
+
+pytest.importorskip("ase")
+from ase import Atoms  # noqa: E402
+from ase.build import bulk, fcc111  # noqa: E402
+from ase.calculators.calculator import PropertyNotImplementedError  # noqa: E402
+from ase.cluster import Icosahedron  # noqa: E402
+from ase.md.verlet import VelocityVerlet  # noqa: E402
+from ase.stress import voigt_6_to_full_3x3_stress  # noqa: E402
+from ase.units import fs, kB  # noqa: E402
+
+from e3attn.calculator import E3AttnCalculator  # noqa: E402
+from e3attn.models import EquivariantTransformer, save_checkpoint  # noqa: E402
+from e3attn.testing import _default_dtype  # noqa: E402
+
+SPECIES = ["Cu", "Ni"]
+REFERENCES = {"Cu": -3.5, "Ni": -4.4}
+SCALE = 0.3
+
+
+def make_model(seed=0) -> EquivariantTransformer:
+    """A small untrained potential in float64 (e3nn's constants built in float64 too)."""
+    torch.manual_seed(seed)
+    with _default_dtype(torch.float64):
+        return EquivariantTransformer(
+            "1x0e", "8x0e + 4x1o", "0e", 3.0, num_layers=2, num_heads=2, lmax=2,
+            irreps_node_attr=f"{len(SPECIES)}x0e", reduce="sum",
+        )
+
+
+@pytest.fixture(scope="module")
+def calc():
+    return E3AttnCalculator(make_model(), SPECIES, energy_references=REFERENCES, energy_scale=SCALE)
+
+
+def alloy(atoms, seed):
+    """``atoms`` with a third of them Ni, rattled by 0.1 Angstrom."""
+    rng = np.random.default_rng(seed)
+    atoms = atoms.copy()
+    symbols = np.array(atoms.get_chemical_symbols())
+    symbols[rng.random(len(atoms)) < 0.33] = "Ni"
+    atoms.set_chemical_symbols(symbols)
+    atoms.positions += rng.normal(0.0, 0.1, atoms.positions.shape)
+    return atoms
+
+
+def triclinic():
+    atoms = bulk("Cu", "fcc", a=3.6).repeat((2, 2, 1))  # the primitive cell is already skewed
+    strain = np.eye(3) + 0.08 * np.random.default_rng(3).normal(size=(3, 3))
+    atoms.set_cell(atoms.cell.array @ strain, scale_atoms=True)
+    return atoms
+
+
+def wire():
+    """Periodic along x only, with a cell of one lattice vector (no volume)."""
+    atoms = Atoms("Cu4", positions=[[0, 0, 0], [1.3, 1.3, 0], [2.6, 0, 1.3], [3.9, 1.3, 1.3]],
+                  cell=[5.2, 0, 0], pbc=[True, False, False])
+    return atoms
+
+
+STRUCTURES = {
+    "cluster": lambda: alloy(Icosahedron("Cu", 2), 0),  # open boundaries, no cell
+    "cubic": lambda: alloy(bulk("Cu", "fcc", a=3.6, cubic=True).repeat((2, 1, 1)), 1),
+    "triclinic": lambda: alloy(triclinic(), 2),
+    "slab": lambda: alloy(fcc111("Cu", (2, 2, 2), a=3.6, vacuum=4.0), 3),  # mixed: periodic in x, y
+    "wire": lambda: alloy(wire(), 4),  # mixed, no volume
+}
+WITH_VOLUME = ["cubic", "triclinic", "slab"]
+
+
+def derivative(function, h):
+    """d function(t) / dt at t = 0, by the fourth-order central difference."""
+    return (-function(2 * h) + 8 * function(h) - 8 * function(-h) + function(-2 * h)) / (12 * h)
+
+
+# ---------------------------------------------------------------- exact gradients
+
+
+@pytest.mark.parametrize("name", list(STRUCTURES))
+def test_forces_are_minus_the_gradient_of_the_energy(calc, name):
+    atoms = STRUCTURES[name]()
+    forces = calc.get_forces(atoms)
+    assert forces.shape == (len(atoms), 3) and np.abs(forces).max() > 0.1
+    rng = np.random.default_rng(0)
+    for _ in range(3):  # along random directions of all the atoms at once
+        direction = rng.normal(size=forces.shape)
+
+        def energy(t):
+            moved = atoms.copy()
+            moved.positions += t * direction
+            return calc.get_potential_energy(moved)
+
+        assert derivative(energy, 5e-5) == pytest.approx(-(forces * direction).sum(), abs=1e-8 * np.abs(forces).max())
+
+
+@pytest.mark.parametrize("name", WITH_VOLUME)
+def test_stress_is_the_strain_derivative_of_the_energy_over_the_volume(calc, name):
+    atoms = STRUCTURES[name]()
+    stress = calc.get_stress(atoms)
+    assert stress.shape == (6,) and np.abs(stress).max() > 1e-3
+    for k, (i, j) in enumerate([(0, 0), (1, 1), (2, 2), (1, 2), (0, 2), (0, 1)]):  # ASE's Voigt order
+        unit = np.zeros((3, 3))
+        unit[i, j] = unit[j, i] = 1.0  # a symmetric strain
+
+        def energy(t):
+            strained = atoms.copy()
+            strained.set_cell(atoms.cell.array @ (np.eye(3) + t * unit), scale_atoms=True)
+            return calc.get_potential_energy(strained)
+
+        expected = derivative(energy, 1e-5) / atoms.get_volume() / (1 if i == j else 2)
+        assert stress[k] == pytest.approx(expected, abs=1e-7 * np.abs(stress).max())
+
+
+def test_stress_follows_ases_convention(calc):
+    """Sign, units and Voigt order as ASE's own finite-difference stress."""
+    from ase.calculators.fd import calculate_numerical_stress
+
+    atoms = STRUCTURES["triclinic"]()
+    atoms.calc = calc
+    stress = atoms.get_stress()
+    np.testing.assert_allclose(stress, calculate_numerical_stress(atoms, eps=1e-5),
+                               rtol=0, atol=1e-6 * np.abs(stress).max())
+
+
+@pytest.mark.parametrize("name", ["cluster", "triclinic", "slab"])
+@pytest.mark.parametrize("improper", [False, True])
+def test_energy_invariant_forces_and_stress_rotate_with_the_system(calc, name, improper):
+    atoms = STRUCTURES[name]()
+    torch.manual_seed(5)
+    rotation = o3.rand_matrix(dtype=torch.float64).numpy() * (-1 if improper else 1)
+    rotated = atoms.copy()
+    rotated.positions = atoms.positions @ rotation.T
+    rotated.set_cell(atoms.cell.array @ rotation.T)
+    energy, forces = calc.get_potential_energy(atoms), calc.get_forces(atoms)
+    stress = voigt_6_to_full_3x3_stress(calc.get_stress(atoms)) if atoms.cell.rank == 3 else None
+    assert calc.get_potential_energy(rotated) == pytest.approx(energy, abs=1e-10 * abs(energy))
+    np.testing.assert_allclose(calc.get_forces(rotated), forces @ rotation.T, rtol=0, atol=1e-10)
+    if stress is not None:
+        rotated_stress = voigt_6_to_full_3x3_stress(calc.get_stress(rotated))
+        np.testing.assert_allclose(rotated_stress, rotation @ stress @ rotation.T, rtol=0, atol=1e-10)
+
+
+def test_periodic_results_do_not_depend_on_wrapping_or_translation(calc):
+    atoms = STRUCTURES["triclinic"]()
+    moved = atoms.copy()
+    moved.positions += [7.0, -3.0, 11.0]
+    moved.positions[0] += atoms.cell[1] - 2 * atoms.cell[2]  # one atom in another image
+    energy, forces, stress = calc.get_potential_energy(atoms), calc.get_forces(atoms), calc.get_stress(atoms)
+    assert calc.get_potential_energy(moved) == pytest.approx(energy, abs=1e-10 * abs(energy))
+    np.testing.assert_allclose(calc.get_forces(moved), forces, rtol=0, atol=1e-10)
+    np.testing.assert_allclose(calc.get_stress(moved), stress, rtol=0, atol=1e-10)
+
+
+def test_energy_is_the_scaled_model_plus_the_references():
+    model = make_model()
+    atoms = STRUCTURES["cubic"]()
+    plain = E3AttnCalculator(model, SPECIES)
+    scaled = E3AttnCalculator(model, SPECIES, energy_references=[-3.5, -4.4], energy_scale=SCALE)
+    reference = sum(REFERENCES[s] for s in atoms.get_chemical_symbols())
+    energy = scaled.get_potential_energy(atoms)
+    assert energy == pytest.approx(SCALE * plain.get_potential_energy(atoms) + reference, abs=1e-12)
+    assert scaled.get_property("free_energy", atoms) == energy
+    np.testing.assert_allclose(scaled.get_forces(atoms), SCALE * plain.get_forces(atoms), rtol=1e-14, atol=1e-14)
+    np.testing.assert_allclose(scaled.get_stress(atoms), SCALE * plain.get_stress(atoms), rtol=1e-14, atol=1e-14)
+
+
+# ---------------------------------------------------------------- ASE's tools
+
+
+@pytest.mark.parametrize("optimizer", ["BFGS", "FIRE"])
+def test_relaxation_lowers_the_energy_below_a_force_threshold(calc, optimizer):
+    import ase.optimize
+
+    atoms = STRUCTURES["cubic"]()
+    atoms.calc = calc
+    start = atoms.get_potential_energy()
+    converged = getattr(ase.optimize, optimizer)(atoms, logfile=None).run(fmax=1e-3, steps=300)
+    assert converged
+    assert atoms.get_potential_energy() < start - 1e-3
+    assert np.linalg.norm(atoms.get_forces(), axis=1).max() < 1e-3
+
+
+def run_nve(calc, atoms, dt, duration):
+    """Total energies along a velocity-Verlet run of ``duration`` fs with step ``dt`` fs."""
+    atoms = atoms.copy()
+    atoms.calc = calc
+    dynamics = VelocityVerlet(atoms, timestep=dt * fs)
+    energies = [atoms.get_total_energy()]
+    dynamics.attach(lambda: energies.append(atoms.get_total_energy()))
+    dynamics.run(round(duration / dt))
+    return np.array(energies)
+
+
+def test_velocity_verlet_energy_error_shrinks_as_dt_squared(calc):
+    """Exact forces of a smooth potential: halving the step quarters the energy error (no cutoff jumps)."""
+    atoms = STRUCTURES["cubic"]()
+    masses = atoms.get_masses()[:, None]
+    momenta = np.sqrt(masses * kB * 600) * np.random.default_rng(0).normal(size=(len(atoms), 3))  # 600 K
+    atoms.set_momenta(momenta - masses * momenta.sum(0) / masses.sum())  # at rest as a whole
+    errors = []
+    for dt in [1.0, 0.5, 0.25]:
+        energies = run_nve(calc, atoms, dt, duration=20.0)
+        errors.append(np.abs(energies - energies[0]).max())
+    assert errors[0] > 1e-4  # a measurable error at 1 fs
+    ratios = [errors[0] / errors[1], errors[1] / errors[2]]
+    assert all(3.8 < r < 4.2 for r in ratios), (errors, ratios)
+
+
+def test_dynamics_compute_each_configuration_once():
+    """ASE's caching: energy, forces and stress of one configuration come from one model call."""
+    from ase.md.langevin import Langevin
+
+    model = make_model()
+    calls = []
+    model.register_forward_hook(lambda *_: calls.append(1))
+    calc = E3AttnCalculator(model, SPECIES)
+    atoms = STRUCTURES["slab"]()
+    atoms.calc = calc
+    atoms.get_potential_energy(), atoms.get_forces(), atoms.get_stress(), atoms.get_potential_energy()
+    assert len(calls) == 1
+    calc.get_forces(atoms.copy())  # equal atoms: nothing new
+    assert len(calls) == 1
+    atoms.positions[0, 0] += 1e-3
+    atoms.get_forces()
+    assert len(calls) == 2
+
+    dynamics = Langevin(atoms, 1.0 * fs, temperature_K=300, friction=0.01, fixcm=False,
+                         rng=np.random.default_rng(0))
+    dynamics.attach(lambda: atoms.get_total_energy())
+    dynamics.run(5)
+    assert len(calls) == 2 + 5
+
+
+# ---------------------------------------------------------------- errors and edge cases
+
+
+def test_unknown_elements_are_named(calc):
+    atoms = Atoms("CuFeAuNi", positions=np.arange(12.0).reshape(4, 3))
+    with pytest.raises(ValueError, match=r"\['Au', 'Fe'\].*\['Cu', 'Ni'\]"):
+        calc.get_potential_energy(atoms)
+
+
+def test_stress_without_a_volume_is_not_implemented(calc):
+    atoms = STRUCTURES["wire"]()
+    assert calc.get_forces(atoms).shape == (4, 3)
+    with pytest.raises(PropertyNotImplementedError, match="volume"):
+        calc.get_stress(atoms)
+
+
+def test_no_atoms(calc):
+    atoms = Atoms(cell=np.eye(3) * 4.0, pbc=True)
+    assert calc.get_potential_energy(atoms) == 0.0
+    assert calc.get_forces(atoms).shape == (0, 3)
+    np.testing.assert_array_equal(calc.get_stress(atoms), np.zeros(6))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(species=["Cu", "Xx"]), "element symbols"),
+        (dict(species=["Cu", "Cu"]), "repeat"),
+        (dict(species=["Cu", "Ni", "Au"]), "3 elements"),
+        (dict(species="CuNi"), "sequence"),
+        (dict(energy_references=[1.0]), "2 finite numbers"),
+        (dict(energy_references={"Cu": 1.0}), "each of the species"),
+        (dict(energy_scale=0.0), "energy_scale"),
+        (dict(dtype=torch.int64), "dtype"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    kwargs = {"species": SPECIES, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        E3AttnCalculator(make_model(), **kwargs)
+
+
+def test_species_as_atomic_numbers(calc):
+    atoms = STRUCTURES["cluster"]()
+    by_number = E3AttnCalculator(calc.model, [29, 28], energy_references=REFERENCES, energy_scale=SCALE)
+    assert by_number.species == SPECIES
+    assert by_number.get_potential_energy(atoms) == calc.get_potential_energy(atoms)
+
+
+def test_from_checkpoint_rebuilds_the_calculator(calc, tmp_path):
+    path = tmp_path / "model.pt"
+    model = make_model().float()
+    save_checkpoint(model, path, species=SPECIES, energy_references=[-3.5, -4.4], energy_scale=SCALE, note="x")
+    atoms = STRUCTURES["triclinic"]()
+    loaded = E3AttnCalculator.from_checkpoint(path)
+    assert loaded.dtype == torch.float32 and loaded.species == SPECIES
+    as_float64 = E3AttnCalculator.from_checkpoint(path, dtype=torch.float64)
+    for name in ["energy", "forces", "stress"]:
+        expected = calc.get_property(name, atoms)
+        np.testing.assert_allclose(as_float64.get_property(name, atoms), expected, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(loaded.get_property(name, atoms), expected, rtol=0, atol=1e-3)
+
+    save_checkpoint(model, tmp_path / "bare.pt")
+    with pytest.raises(ValueError, match="species"):
+        E3AttnCalculator.from_checkpoint(tmp_path / "bare.pt")
+
+
+def test_import_without_ase_says_what_to_install(monkeypatch):
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ase.calculators.calculator", None)  # as if ASE were not installed
+    monkeypatch.delitem(sys.modules, "e3attn.calculator")
+    with pytest.raises(ImportError, match="pip install ase"):
+        importlib.import_module("e3attn.calculator")
