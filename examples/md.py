@@ -119,12 +119,12 @@ def parse_args(argv=None):
     p = _common.parser(__doc__)
     p.add_argument("--checkpoint", default=None,
                    help="potential of examples/molecules.py --save: loaded when the file exists, else trained and saved")
-    p.add_argument("--epochs", type=int, default=30, help="training epochs when there is no checkpoint")
-    p.add_argument("--atoms", type=int, default=100, help="at least this many atoms (a cube of 4-atom fcc cells)")
-    p.add_argument("--temperature", type=float, default=300.0, help="initial temperature (K)")
-    p.add_argument("--steps", type=int, default=1000, help="steps of the first --dt; every run covers the same time")
-    p.add_argument("--dt", type=float, nargs="+", default=[1.0, 0.5, 0.25], help="time steps of the model's runs (fs)")
-    p.add_argument("--emt-dt", type=float, nargs="*", default=None,
+    p.add_argument("--epochs", type=_common.positive_int, default=30, help="training epochs when there is no checkpoint")
+    p.add_argument("--atoms", type=_common.positive_int, default=100, help="at least this many atoms (a cube of 4-atom fcc cells)")
+    p.add_argument("--temperature", type=_common.non_negative_float, default=300.0, help="initial temperature (K)")
+    p.add_argument("--steps", type=_common.positive_int, default=1000, help="steps of the first --dt; every run covers the same time")
+    p.add_argument("--dt", type=_common.positive_float, nargs="+", default=[1.0, 0.5, 0.25], help="time steps of the model's runs (fs)")
+    p.add_argument("--emt-dt", type=_common.positive_float, nargs="*", default=None,
                    help="time steps of EMT's runs (fs; default: the first --dt; none: no EMT)")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="the model's dtype in MD")
     p.add_argument("--json", default=None, help="also write the deviations and settings here")

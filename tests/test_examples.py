@@ -125,7 +125,7 @@ def test_molecules_amp_on_cpu_warns_and_runs_in_float32(examples):
 
 # ----------------------------------------------------------------------------- the command lines
 
-SCRIPTS = ["quickstart", "tetris", "molecules", "attention_graph"]
+SCRIPTS = ["quickstart", "tetris", "molecules", "attention_graph", "md"]
 
 
 def run_main(name, argv, capsys):
@@ -180,6 +180,7 @@ def test_unusable_device_is_one_line_and_exit_status_2(examples, capsys, name, d
         ("molecules", ["--hidden", "16 scalars"], "argument --hidden: expected e3nn irreps"),
         ("attention_graph", ["--heads", "3"], "--heads 3 must divide 4"),
         ("quickstart", ["--seed", "x"], "argument --seed: expected a non-negative integer"),
+        ("md", ["--dt", "1", "-0.5"], "argument --dt: expected a positive number, got '-0.5'"),
     ],
 )
 def test_bad_numbers_are_one_line_and_exit_status_2(examples, capsys, name, argv, match):
