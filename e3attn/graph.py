@@ -7,32 +7,84 @@ ordered block (CSR order).
 
 Two points are neighbours when their squared distance, evaluated in the dtype of
 ``pos``, is strictly below ``r_max**2``. The search never builds an ``N x N`` matrix: on
-CPU it runs a compiled KD-tree (SciPy), on other devices ``torch_cluster`` when installed
-and otherwise a cell list written in PyTorch; a final exact test makes every backend
-return the same edges.
+CPU it runs the compiled cell list of `vesin <https://luthaf.fr/vesin>`_, on other
+devices ``torch_cluster`` when installed and otherwise a cell list written in PyTorch; a
+final exact test makes every backend return the same edges.
+
+The searches are the custom operators ``e3attn::radius_graph`` and
+``e3attn::radius_graph_pbc``, whose number of edges is data-dependent: a function that
+builds its graph compiles with ``torch.compile(fullgraph=True)``, and the value checks
+(finite positions, graph indices) run inside the operators, also when compiled.
 """
 from __future__ import annotations
 
 import math
 from numbers import Integral, Real
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from e3attn._cells import ragged_arange, squared_norm
 from e3attn._checks import check_batch, check_pos
-from e3attn._search import cross_pairs, default_backend, half_pairs
+from e3attn._search import default_backend, half_pairs, periodic_half_pairs
 
 __all__ = ["radius_graph", "radius_graph_pbc", "complete_graph"]
 
+# radius_graph_pbc refuses cells with more periodic images than this within r_max of a point
+_MAX_IMAGES = 2**20
 
-def _check_r_max(r_max) -> float:
-    if isinstance(r_max, torch.Tensor) and r_max.numel() == 1:
-        r_max = r_max.item()
-    if isinstance(r_max, bool) or not isinstance(r_max, Real) or not (0.0 < float(r_max) < math.inf):
+
+def _scalar(value):
+    """A one-element tensor or NumPy array as its Python number; anything else unchanged."""
+    if (isinstance(value, torch.Tensor) and value.numel() == 1) or (isinstance(value, np.ndarray) and value.size == 1):
+        return value.item()
+    return value
+
+
+def _check_r_max(r_max, dtype: torch.dtype) -> float:
+    """``r_max`` as a float: a positive finite real number (never a bool) whose square is a normal
+    number of ``dtype``, so that squared distances near it are finite and keep their precision."""
+    value = _scalar(r_max)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Real) or not 0.0 < float(value) < math.inf:
         raise ValueError(f"r_max must be a positive finite number, got {r_max!r}")
-    return float(r_max)
+    r, info = float(value), torch.finfo(dtype)
+    smallest, largest = math.sqrt(info.tiny), math.sqrt(info.max)
+    if not smallest <= r < largest:
+        raise ValueError(
+            f"r_max={r:g} is out of range for {dtype} positions: the distances are compared squared, and "
+            f"r_max**2 must be a normal finite {dtype} number, so {smallest:.4g} <= r_max < {largest:.4g}"
+        )
+    return r
+
+
+def _check_flag(value, name: str) -> bool:
+    value = _scalar(value)
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
+
+
+def _check_max_num_neighbors(value) -> Optional[int]:
+    value = _scalar(value)
+    if value is not None and (isinstance(value, (bool, np.bool_)) or not isinstance(value, Integral) or value < 0):
+        raise ValueError(f"max_num_neighbors must be None or a non-negative int, got {value!r}")
+    return None if value is None else int(value)
+
+
+def _check_spread(pos, r: float) -> float:
+    """The largest coordinate magnitude of ``pos`` (array or tensor); refuses non-finite positions (the
+    value check of :func:`~e3attn._checks.check_pos`, also under ``torch.compile``) and clouds the search
+    cannot represent in units of ``r`` (it works on float64 coordinates divided by about ``r``)."""
+    largest = float(max(-pos.min(), pos.max())) if pos.shape[0] else 0.0
+    if not math.isfinite(largest):
+        raise ValueError("pos contains NaN or infinite values")
+    if largest / r > 2.0**1000:
+        raise ValueError(
+            f"pos has coordinates up to {largest:.3g}, more than 2**1000 times r_max={r:g}: in units of r_max the "
+            "neighbour search would overflow float64"
+        )
+    return largest
 
 
 def _graph_index(batch: Optional[torch.Tensor], pos: torch.Tensor) -> Optional[torch.Tensor]:
@@ -44,45 +96,181 @@ def _graph_index(batch: Optional[torch.Tensor], pos: torch.Tensor) -> Optional[t
     return batch.long()
 
 
-def _search_radius(r: float, dtype: torch.dtype) -> float:
-    """A radius safely above ``r``: the backends' candidates then include every exact edge."""
-    return r * (1.0 + max(1e-4, 64 * torch.finfo(dtype).eps))
+def _margin(dtype: torch.dtype) -> float:
+    """The relative rounding of a squared distance in ``dtype`` (a few units of its last place), generously."""
+    return max(1e-4, 64 * torch.finfo(dtype).eps)
 
 
-def _shorter_than(pos: torch.Tensor, pairs: torch.Tensor, r: float) -> torch.Tensor:
+# ---------------------------------------------------------------- arrays: NumPy on the CPU, torch elsewhere
+# On the CPU the graph is assembled with NumPy: single-threaded and light per operation, beside vesin's
+# own threads (torch's OpenMP regions stall when other processes keep the cores busy). The functions
+# below take NumPy arrays or torch tensors alike.
+
+
+def _on_host(pos: torch.Tensor) -> bool:
+    """Whether the graph of ``pos`` is assembled with NumPy (CPU; NumPy has no bfloat16)."""
+    return pos.device.type == "cpu" and pos.dtype != torch.bfloat16
+
+
+def _arrays(host: bool, *tensors: Optional[torch.Tensor]) -> list:
+    """``tensors`` as NumPy arrays (zero copy) when ``host``, else unchanged; ``None`` stays ``None``."""
+    return [t.numpy() if host and t is not None else t for t in tensors]
+
+
+def _tensor(array) -> torch.Tensor:
+    return torch.from_numpy(array) if isinstance(array, np.ndarray) else array
+
+
+def _graph_labels(batch: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The distinct graph labels of ``batch``, sorted, and every point's graph ``0, 1, ...``."""
+    if batch.device.type != "cpu":
+        return torch.unique(batch, return_inverse=True)
+    labels, graph = np.unique(batch.numpy(), return_inverse=True)
+    return torch.from_numpy(labels), torch.from_numpy(graph.reshape(-1))
+
+
+def _nonzero(mask):
+    """The indices of the true entries of a 1-D mask."""
+    return np.flatnonzero(mask) if isinstance(mask, np.ndarray) else mask.nonzero().squeeze(1)
+
+
+def _arange(like, start: int, stop: int):
+    if isinstance(like, np.ndarray):
+        return np.arange(start, stop)
+    return torch.arange(start, stop, device=like.device)
+
+
+def _int64(values):
+    return values.astype(np.int64) if isinstance(values, np.ndarray) else values.long()
+
+
+def _cast(values, like):
+    """``values`` in the dtype of ``like`` (themselves when they have it)."""
+    return values.astype(like.dtype, copy=False) if isinstance(values, np.ndarray) else values.to(like.dtype)
+
+
+def _settle(distances, sure_below: float, exact):
+    """The candidate pairs that are not edges, as indices: ``exact(index)`` tests the pairs ``index``
+    (all when ``None``); with the search's float64 ``distances`` only those not ``sure_below`` the
+    cutoff need it."""
+    if distances is None:
+        return _nonzero(~exact(None))
+    unsure = _nonzero(distances >= sure_below)
+    return unsure[~exact(unsure)] if len(unsure) else unsure
+
+
+def _without(rows: list, drop) -> list:
+    """``rows`` (arrays of equal length) without the entries ``drop`` (sorted indices), in place and in
+    any order: the last entries move into the holes, O(len(drop))."""
+    if len(drop) == 0:
+        return rows
+    length = rows[0].shape[0]
+    kept = length - len(drop)
+    tail = _arange(drop, kept, length)
+    fillers = tail[~(np if isinstance(drop, np.ndarray) else torch).isin(tail, drop)]
+    holes = drop[drop < kept]
+    for row in rows:
+        row[holes] = row[fillers]
+    return [row[:kept] for row in rows]
+
+
+def _shorter_than(pos, pairs, r: float):
     """The exact test of every row ``(i, j)`` of ``pairs``: ``|pos[i] - pos[j]|^2 < r^2`` in ``pos.dtype``."""
-    ends = pos.index_select(0, pairs.reshape(-1)).reshape(-1, 2, 3)
+    ends = pos[pairs.reshape(-1)].reshape(-1, 2, 3)
     return squared_norm(ends[:, 0] - ends[:, 1]) < r * r
 
 
-def _csr_edges(pairs: torch.Tensor, valid: torch.Tensor, num_nodes: int, loop: bool) -> torch.Tensor:
-    """Both orientations of the ``valid`` rows of ``pairs`` ``[P, 2]`` (and the self-loops), as ``[2, E]``
-    sorted by ``dst`` then ``src``.
-
-    Every edge is packed into one int64 key ``dst << bits | src`` (``N < 2**31``) and the keys are
-    sorted by value (NumPy's SIMD sort on CPU): no argsort, no payload. Invalid pairs get a key
-    above all others and are cut off after the sort.
-    """
-    num_pairs, bits = pairs.shape[0], max(1, (num_nodes - 1).bit_length())
-    keys = torch.empty(2 * num_pairs + (num_nodes if loop else 0), dtype=torch.long, device=pairs.device)
-    i, j = pairs[:, 0], pairs[:, 1]
-    torch.bitwise_left_shift(j, bits, out=keys[:num_pairs]).bitwise_or_(i)
-    torch.bitwise_left_shift(i, bits, out=keys[num_pairs : 2 * num_pairs]).bitwise_or_(j)
-    if loop:
-        nodes = torch.arange(num_nodes, device=pairs.device)
-        torch.bitwise_left_shift(nodes, bits, out=keys[2 * num_pairs :]).bitwise_or_(nodes)
-    invalid = ~valid
-    keys[:num_pairs].masked_fill_(invalid, torch.iinfo(torch.long).max)
-    keys[num_pairs : 2 * num_pairs].masked_fill_(invalid, torch.iinfo(torch.long).max)
-    if keys.device.type == "cpu":
-        keys.numpy().sort()  # in place
+def _shift_vectors(shift, cell, pair_graph):
+    """``shift @ cell`` of every pair in the dtype of ``cell`` (``[1, 3, 3]`` shared, else ``[B, 3, 3]``
+    indexed by ``pair_graph``), summed in the order of the lattice vectors."""
+    shift = _cast(shift, cell)
+    if cell.shape[0] == 1:
+        a, b, c = cell[0]
     else:
-        keys = torch.sort(keys).values
-    keys = keys[: keys.numel() - 2 * int(invalid.sum())]
-    edge_index = torch.empty(2, keys.numel(), dtype=torch.long, device=keys.device)
-    torch.bitwise_and(keys, (1 << bits) - 1, out=edge_index[0])
-    torch.bitwise_right_shift(keys, bits, out=edge_index[1])
-    return edge_index
+        rows = cell[pair_graph]
+        a, b, c = rows[:, 0], rows[:, 1], rows[:, 2]
+    return shift[:, 0:1] * a + shift[:, 1:2] * b + shift[:, 2:3] * c
+
+
+def _lexsort(columns: List[torch.Tensor]) -> torch.Tensor:
+    """Permutation sorting rows by ``columns[0]``, ties broken by ``columns[1]``, ... (stable passes)."""
+    order = torch.arange(columns[0].numel(), device=columns[0].device)
+    for column in reversed(columns):
+        order = order[torch.sort(column[order], stable=True).indices]
+    return order
+
+
+def _csr_edges(i, j, shift, num_nodes: int, loop: bool, dtype: torch.dtype = torch.float64):
+    """The edges ``j -> i`` (shift ``S``) and ``i -> j`` (shift ``-S``) of every pair of a half list,
+    and the self-loops, as ``[2, E]`` sorted by ``dst``, then ``src``, then shift, with the ``[E, 3]``
+    shifts in ``dtype`` (``None`` without ``shift``); NumPy arrays or torch tensors, as the input.
+
+    Every edge is packed into one int64 key ``(dst << b | src) << c | code(S)``, where ``code``
+    numbers the shifts :math:`S \\in [-m, m]^3` lexicographically, and the keys are sorted by value
+    in the output's own memory (NumPy's SIMD sort on CPU): no argsort, no payload. A table of all
+    :math:`(2m+1)^3` shifts decodes the codes; large shifts (:math:`m > 50`) fall back to stable sorts
+    by column.
+    """
+    host = isinstance(i, np.ndarray)
+    num_pairs, bits = len(i), max(1, (num_nodes - 1).bit_length())
+    reach = int(max(-shift.min(), shift.max())) if shift is not None and num_pairs > 0 else 0
+    width = 2 * reach + 1
+    code_bits = (width**3 - 1).bit_length()
+    if shift is not None and (reach > 50 or 2 * bits + code_bits > 63):
+        return _lexsorted_edges(*(_tensor(t) for t in (i, j, shift)), dtype)
+    size = (2, 2 * num_pairs + (num_nodes if loop else 0))
+    edge_index = np.empty(size, np.int64) if host else torch.empty(size, dtype=torch.long, device=i.device)
+    # every step in place, in the output's memory (row 1: the keys; row 0: scratch, then the sources):
+    # no temporary arrays, whose fresh pages cost as much as the arithmetic
+    keys, scratch = edge_index[1], edge_index[0]
+    forward, backward = keys[:num_pairs], keys[num_pairs : 2 * num_pairs]
+    forward[:] = i
+    forward <<= bits
+    forward |= j
+    backward[:] = j
+    backward <<= bits
+    backward |= i
+    if code_bits:
+        code = scratch[:num_pairs]
+        code[:] = shift[:, 0]
+        for k in (1, 2):
+            code += reach
+            code *= width
+            code += shift[:, k]
+        code += reach
+        forward <<= code_bits
+        forward |= code
+        backward <<= code_bits
+        code -= width**3 - 1
+        backward -= code  # the code of -S, every component mirrored: width**3 - 1 - code
+    if loop:  # open graphs only: no code bits
+        nodes = keys[2 * num_pairs :]
+        nodes[:] = _arange(keys, 0, num_nodes)
+        nodes |= nodes << bits
+    if host:
+        keys.sort()
+    else:
+        keys.copy_(torch.sort(keys).values)
+    shifts = None
+    if shift is not None:
+        every_shift = torch.arange(-reach, reach + 1, dtype=dtype, device="cpu" if host else keys.device)
+        table = torch.cartesian_prod(every_shift, every_shift, every_shift).reshape(-1, 3)  # in code order
+        scratch[:] = keys
+        scratch &= (1 << code_bits) - 1
+        shifts = np.take(table.numpy(), scratch, axis=0) if host else table.index_select(0, scratch)
+    scratch[:] = keys
+    scratch >>= code_bits
+    scratch &= (1 << bits) - 1
+    keys >>= bits + code_bits
+    return edge_index, shifts
+
+
+def _lexsorted_edges(i, j, shift, dtype):
+    """:func:`_csr_edges` without self-loops for large shifts: stable sorts by column."""
+    shift = shift.long()
+    dst, src, shift = torch.cat([i, j]), torch.cat([j, i]), torch.cat([shift, -shift])
+    order = _lexsort([dst, src, shift[:, 0], shift[:, 1], shift[:, 2]])
+    return torch.stack([src[order], dst[order]]), shift[order].to(dtype)
 
 
 def _check_num_neighbors(dst: torch.Tensor, num_nodes: int, max_num_neighbors: Optional[int]) -> None:
@@ -109,10 +297,35 @@ def _radius_graph(
     num_nodes = pos.shape[0]
     if num_nodes == 0:
         return torch.zeros(2, 0, dtype=torch.long, device=pos.device)
-    pairs = half_pairs(pos, _search_radius(r, pos.dtype), batch, backend)
-    edge_index = _csr_edges(pairs, _shorter_than(pos, pairs, r), num_nodes, loop)
+    host = _on_host(pos)
+    (points,) = _arrays(host, pos)
+    _check_spread(points, r)
+    # a difference of two coordinates rounds relative to itself: the margin is relative to r
+    margin = _margin(pos.dtype)
+    pairs, distances = _arrays(host, *half_pairs(pos, r * (1 + margin), batch, backend))
+
+    def exact(index):
+        return _shorter_than(points, pairs if index is None else pairs[index], r)
+
+    (pairs,) = _without([pairs], _settle(distances, r * (1 - margin), exact))
+    edge_index, _ = _csr_edges(pairs[:, 0], pairs[:, 1], None, num_nodes, loop)
+    edge_index = _tensor(edge_index)
     _check_num_neighbors(edge_index[1], num_nodes, max_num_neighbors)
     return edge_index
+
+
+@torch.library.custom_op("e3attn::radius_graph", mutates_args=())
+def _radius_graph_op(
+    pos: torch.Tensor, r_max: float, batch: Optional[torch.Tensor], loop: bool, max_num_neighbors: Optional[int]
+) -> torch.Tensor:
+    """:func:`radius_graph` once its arguments are checked: validates the values of ``pos`` and ``batch``."""
+    check_batch(batch, pos.shape[0])
+    return _radius_graph(pos, r_max, batch, loop, max_num_neighbors, default_backend(pos.device))
+
+
+@_radius_graph_op.register_fake
+def _(pos, r_max, batch, loop, max_num_neighbors):
+    return pos.new_empty((2, torch.library.get_ctx().new_dynamic_size()), dtype=torch.long)
 
 
 def radius_graph(
@@ -135,16 +348,26 @@ def radius_graph(
     strict, and coincident points (distance 0) are neighbours. The graph is symmetric:
     :math:`(s, d) \in \mathcal{E} \Leftrightarrow (d, s) \in \mathcal{E}`.
 
-    Cost is :math:`O(N \log N + E)` time and :math:`O(N + E)` memory: a SciPy KD-tree on
-    CPU, ``torch_cluster`` on other devices when installed, else a PyTorch cell list.
-    The result is produced in CSR order by sorting packed ``dst << bits | src`` keys by
-    value. Nothing is truncated: ``max_num_neighbors`` only guards against surprises.
+    Cost is :math:`O(N + E)` time and memory for clouds of roughly even density, plus
+    :math:`O(E \log E)` to sort: vesin's cell list on CPU (the graphs of a batch laid out
+    side by side and searched at once, with :func:`torch.get_num_threads` threads),
+    ``torch_cluster`` on other devices when installed, else a PyTorch cell list. The
+    result is produced in CSR order by sorting packed ``dst << bits | src`` keys by value.
+    Nothing is truncated: ``max_num_neighbors`` only guards against surprises. Every
+    thread keeps its vesin buffers between calls (up to :math:`2^{22}` pairs, about
+    150 MiB), as a simulation loop would.
+
+    The search is the custom operator ``e3attn::radius_graph`` with a data-dependent
+    number of edges, so ``torch.compile(fullgraph=True)`` traces functions that call it.
 
     Args:
         pos: ``[N, 3]`` finite floating positions, :math:`N < 2^{31}`.
-        r_max: cutoff radius, a positive finite number.
-        batch: ``[N]`` integer graph index of every point (any order, need not be
-            contiguous), or ``None`` for a single graph.
+        r_max: cutoff radius, a positive finite number (Python or NumPy scalar, or a
+            one-element tensor or array; never a bool) whose square is a normal number of
+            ``pos.dtype``: :math:`1.1 \cdot 10^{-19} \le r_{\max} < 1.8 \cdot 10^{19}` in
+            float32, :math:`1.5 \cdot 10^{-154} \le r_{\max} < 1.3 \cdot 10^{154}` in float64.
+        batch: ``[N]`` integer graph index of every point (any int64 values, any order,
+            need not be contiguous), or ``None`` for a single graph.
         loop: also add the self-loop :math:`(i, i)` of every node.
         max_num_neighbors: ``None`` (no cap), or raise :class:`ValueError` when a node
             has more incoming edges than this (its self-loop included).
@@ -154,8 +377,9 @@ def radius_graph(
         ``dst`` then ``src``.
 
     Raises:
-        ValueError: on malformed ``pos``, ``r_max``, ``batch`` or ``max_num_neighbors``,
-            or when a node exceeds ``max_num_neighbors``.
+        ValueError: on malformed ``pos``, ``r_max``, ``batch``, ``loop`` or
+            ``max_num_neighbors``, when coordinates exceed :math:`2^{1000} r_{\max}`, or when
+            a node exceeds ``max_num_neighbors``.
 
     Example::
 
@@ -164,21 +388,18 @@ def radius_graph(
         tensor([[1, 0],
                 [0, 1]])
     """
-    r = _check_r_max(r_max)
     check_pos(pos)
+    r = _check_r_max(r_max, pos.dtype)
     if pos.shape[0] >= 2**31:
         raise ValueError(f"pos must have fewer than 2**31 points, got {pos.shape[0]}")
     batch = _graph_index(batch, pos)
-    if max_num_neighbors is not None and (
-        isinstance(max_num_neighbors, bool) or not isinstance(max_num_neighbors, Integral) or max_num_neighbors < 0
-    ):
-        raise ValueError(f"max_num_neighbors must be None or a non-negative int, got {max_num_neighbors!r}")
-    pos = pos.detach()
-    return _radius_graph(pos, r, batch, bool(loop), max_num_neighbors, default_backend(pos.device))
+    loop = _check_flag(loop, "loop")
+    max_num_neighbors = _check_max_num_neighbors(max_num_neighbors)
+    return _radius_graph_op(pos.detach(), r, batch, loop, max_num_neighbors)
 
 
 def _check_cell(cell: torch.Tensor, pbc, pos: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``cell`` as ``[B, 3, 3]`` and ``pbc`` as bool ``[B, 3]`` (one of them may be shared, B = 1)."""
+    """``cell`` as ``[Bc, 3, 3]`` and ``pbc`` as bool ``[Bp, 3]``, with ``Bc, Bp`` 1 (shared) or ``B``."""
     if not isinstance(cell, torch.Tensor):
         raise TypeError(f"cell must be a torch.Tensor of shape [3, 3] or [B, 3, 3], got {type(cell).__name__}")
     if cell.shape[-2:] != (3, 3) or cell.dim() not in (2, 3):
@@ -187,8 +408,6 @@ def _check_cell(cell: torch.Tensor, pbc, pos: torch.Tensor) -> Tuple[torch.Tenso
         raise ValueError(
             f"cell must have the dtype and device of pos ({pos.dtype}, {pos.device}), got {cell.dtype}, {cell.device}"
         )
-    if not bool(torch.isfinite(cell).all()):
-        raise ValueError("cell contains NaN or infinite values")
     pbc = torch.as_tensor(pbc, device=pos.device)
     if pbc.dtype != torch.bool:
         raise ValueError(f"pbc must hold booleans, got dtype {pbc.dtype}")
@@ -199,14 +418,46 @@ def _check_cell(cell: torch.Tensor, pbc, pos: torch.Tensor) -> Tuple[torch.Tenso
     cell, pbc = cell.reshape(-1, 3, 3), pbc.reshape(-1, 3)
     if cell.shape[0] != pbc.shape[0] and 1 not in (cell.shape[0], pbc.shape[0]):
         raise ValueError(f"cell has {cell.shape[0]} graphs but pbc has {pbc.shape[0]}")
-    num_graphs = max(cell.shape[0], pbc.shape[0])
-    return cell.expand(num_graphs, 3, 3), pbc.expand(num_graphs, 3)
+    return cell, pbc
 
 
-def _lexsort(primary: torch.Tensor, secondary: torch.Tensor) -> torch.Tensor:
-    """Permutation sorting by ``primary``, ties broken by ``secondary`` (two stable passes)."""
-    order = torch.sort(secondary, stable=True).indices
-    return order[torch.sort(primary[order], stable=True).indices]
+def _check_images(inverse_spacing: torch.Tensor, pbc: torch.Tensor, r: float) -> None:
+    """Refuse cells with more than :data:`_MAX_IMAGES` images within ``r`` of a point, before allocating.
+
+    ``inverse_spacing[g, k]`` is one over the distance between the lattice planes of graph ``g``
+    along direction ``k``; a point reaches :math:`\\lceil r / d_k \\rceil` planes on either side.
+    """
+    per_direction = torch.where(pbc, 2 * torch.ceil(r * inverse_spacing) + 1, torch.ones_like(inverse_spacing))
+    images = per_direction.prod(1)
+    graph = int(images.argmax())
+    if float(images[graph]) > _MAX_IMAGES:
+        k = int(inverse_spacing[graph].argmax())
+        spacing = 1 / float(inverse_spacing[graph, k])
+        raise ValueError(
+            f"cell of graph {graph}: its lattice planes along direction {k} are {spacing:.3g} apart, so "
+            f"r_max={r:g} reaches {float(images[graph]):.3g} periodic images of every point (at most 2**20 are "
+            "supported): the cell is (nearly) singular or far smaller than r_max"
+        )
+
+
+def _check_cells_away(far: float, dtype: torch.dtype) -> None:
+    """Image shifts must be exact integers in ``dtype``: points at most ``1 / (4 eps)`` cells from the origin
+    (``far``: the largest fractional coordinate in magnitude)."""
+    limit = 0.25 / torch.finfo(dtype).eps
+    if far > limit:
+        raise ValueError(
+            f"pos has points {far:.3g} cells away from the origin; the integer image shifts stay exact in "
+            f"{dtype} up to {limit:.3g} cells: wrap pos into the cell first"
+        )
+
+
+def _per_graph_product(rows, matrices, graph):
+    """``rows[n] @ matrices[graph[n]]`` for ``[N, 3]`` rows and ``[B, 3, 3]`` matrices (einsum: no BLAS
+    threads)."""
+    einsum = np.einsum if isinstance(rows, np.ndarray) else torch.einsum
+    if matrices.shape[0] == 1:
+        return einsum("ni,ij->nj", rows, matrices[0])
+    return einsum("ni,nij->nj", rows, matrices[graph])
 
 
 def _radius_graph_pbc(
@@ -217,46 +468,77 @@ def _radius_graph_pbc(
     graph: torch.Tensor,
     backend: str,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """:func:`radius_graph_pbc` on validated input (``cell [B,3,3]``, ``pbc [B,3]``, ``graph [N]``)."""
+    """:func:`radius_graph_pbc` on validated input: ``cell [1 or B, 3, 3]``, ``pbc [1 or B, 3]``,
+    ``graph [N]`` with values in ``[0, B)``."""
     num_nodes = pos.shape[0]
     if num_nodes == 0:
         return torch.zeros(2, 0, dtype=torch.long, device=pos.device), pos.new_zeros(0, 3)
-    r_search = _search_radius(r, pos.dtype)
-    lattice = cell.double() * pbc[..., None]  # the lattice vectors of the periodic directions only
+    host = _on_host(pos)
+    points, cells, point_graph = _arrays(host, pos, cell, graph)
+    largest = _check_spread(points, r)
+    num_graphs = max(cell.shape[0], pbc.shape[0], int(point_graph.max()) + 1)
+    pbc = pbc.expand(num_graphs, 3)
+    lattice = (cell.double() * pbc[..., None]).expand(num_graphs, 3, 3)  # the periodic lattice vectors only
     # lattice @ recip = diag(pbc): columns are the reciprocal vectors, exactly zero for open directions
     recip = torch.linalg.pinv(lattice) * pbc[:, None, :]
     if not torch.allclose(lattice @ recip, torch.diag_embed(pbc.double()), atol=1e-6):
         raise ValueError("cell: the lattice vectors of the periodic directions must be linearly independent")
-    # wrap every point into its home cell: frac in [0, 1) along periodic directions
-    x = pos.double()
-    frac = torch.einsum("ni,nij->nj", x, recip[graph])
-    wrap = torch.floor(frac)
-    home = x - torch.einsum("ni,nij->nj", wrap, lattice[graph])
-    frac = frac - wrap
-    # images within r_search of the home cell: along every periodic direction, the integer shifts S
-    # with -reach < frac + S < 1 + reach (reach = r_search / plane spacing); S = 0 along open ones
-    reach = r_search * recip.norm(dim=1)[graph]
-    open_ = ~pbc[graph]
-    low = torch.floor(-reach - frac).long().add_(1).masked_fill_(open_, 0)
-    count = (torch.ceil(1 + reach - frac).long() - low).masked_fill_(open_, 1)
-    atom, k = ragged_arange(torch.zeros_like(graph), count.prod(1))
-    ny, nz = count[atom, 1], count[atom, 2]
-    image_shift = low[atom] + torch.stack([k // (ny * nz), k // nz % ny, k % nz], dim=1)
-    image_pos = home[atom] + torch.einsum("mi,mij->mj", image_shift.double(), lattice[graph[atom]])
+    inverse_spacing = recip.norm(dim=1)  # [B, 3]: one over the plane spacing, 0 along open directions
+    _check_images(inverse_spacing, pbc, r)
+    lattices, recips = _arrays(host, lattice.contiguous(), recip)
+    x = _cast(points, recips)
+    frac = _per_graph_product(x, recips, point_graph)
+    far = torch.tensor([float(abs(frac[:, k]).max()) for k in range(3)], dtype=torch.float64)  # per column
+    _check_cells_away(float(far.max()), pos.dtype)
+    wrap = frac // 1
+    moved = bool(wrap.any())
+    home = x - _per_graph_product(wrap, lattices, point_graph) if moved else x
+    # pos[src] - pos[dst] + shift @ cell rounds relative to the size of its terms, not to the distance:
+    # |pos| <= X, and |shift_k| <= 2 max|frac_k| + r / spacing_k + 1 along each lattice vector
+    far = far.to(lattice.device)
+    size = 2 * largest + float(((2 * far + r * inverse_spacing + 1) * lattice.abs().amax(2)).sum(1).max())
+    slack = 8 * torch.finfo(pos.dtype).eps * size
+    margin = _margin(pos.dtype)
+    found = periodic_half_pairs(_tensor(home), lattice, recip, pbc, graph, r * (1 + margin) + slack, backend)
+    i, j, shift, distances = _arrays(host, *found)
+    if moved:  # from the home cells back to pos
+        wrap = _int64(wrap)
+        shift = shift + (wrap[i] - wrap[j])
 
-    dst, s = cross_pairs(home, image_pos, r_search, graph, graph[atom], backend)
-    src = atom[s]
-    wrap = wrap.long()
-    shift = image_shift[s] - wrap[src] + wrap[dst]
-    edge_vec = pos[src] - pos[dst] + (shift.to(pos.dtype)[:, None, :] @ cell[graph[dst]]).squeeze(1)
-    keep = (squared_norm(edge_vec) < r * r) & ((src != dst) | (shift != 0).any(1))
-    src, dst, shift = src[keep], dst[keep], shift[keep]
-    if src.numel() > 0:
-        code = shift - shift.min()
-        span = int(code.max()) + 1
-        order = _lexsort(dst * num_nodes + src, (code[:, 0] * span + code[:, 1]) * span + code[:, 2])
-        src, dst, shift = src[order], dst[order], shift[order]
-    return torch.stack([src, dst]), shift.to(pos.dtype)
+    def exact(index):
+        a, b, s = (i, j, shift) if index is None else (i[index], j[index], shift[index])
+        return squared_norm(points[b] - points[a] + _shift_vectors(s, cells, point_graph[a])) < r * r
+
+    i, j, shift = _without([i, j, shift], _settle(distances, r * (1 - margin) - slack, exact))
+    edge_index, shifts = _csr_edges(i, j, shift, num_nodes, False, pos.dtype)
+    return _tensor(edge_index), _tensor(shifts)
+
+
+@torch.library.custom_op("e3attn::radius_graph_pbc", mutates_args=())
+def _radius_graph_pbc_op(
+    pos: torch.Tensor, cell: torch.Tensor, pbc: torch.Tensor, r_max: float, batch: Optional[torch.Tensor]
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`radius_graph_pbc` once its arguments are checked: validates values, selects every graph's cell."""
+    check_batch(batch, pos.shape[0])
+    if not bool(torch.isfinite(cell).all()):
+        raise ValueError("cell contains NaN or infinite values")
+    if batch is None:
+        graphs, graph = torch.zeros(1, dtype=torch.long), torch.zeros(pos.shape[0], dtype=torch.long)
+    else:
+        graphs, graph = _graph_labels(batch)  # graph indices made contiguous
+    graphs, graph = graphs.to(pos.device), graph.to(pos.device)
+    described = max(cell.shape[0], pbc.shape[0])
+    if described > 1 and graphs.numel() > 0 and int(graphs[-1]) >= described:
+        raise ValueError(f"batch holds graph index {int(graphs[-1])} but cell/pbc describe {described} graphs")
+    cell = cell[graphs] if cell.shape[0] > 1 else cell
+    pbc = pbc[graphs] if pbc.shape[0] > 1 else pbc
+    return _radius_graph_pbc(pos, cell, pbc, r_max, graph, default_backend(pos.device))
+
+
+@_radius_graph_pbc_op.register_fake
+def _(pos, cell, pbc, r_max, batch):
+    num_edges = torch.library.get_ctx().new_dynamic_size()
+    return pos.new_empty((2, num_edges), dtype=torch.long), pos.new_empty((num_edges, 3))
 
 
 def radius_graph_pbc(
@@ -283,9 +565,11 @@ def radius_graph_pbc(
     images; skewed (triclinic) cells are fine, and ``pos`` need not be wrapped into the
     cell. The graph is symmetric: :math:`(s, d, S) \leftrightarrow (d, s, -S)`.
 
-    Points are wrapped into their home cell, the images within :math:`r_{\max}` of it
-    (a shell :math:`r_{\max}` thick, measured along the reciprocal directions) are added,
-    and one radius search pairs home points with images.
+    Points are wrapped into their home cell and vesin's periodic cell list (CPU) searches
+    every graph; other devices add the images within :math:`r_{\max}` of the home cell
+    (a shell :math:`r_{\max}` thick, measured along the reciprocal directions) and pair
+    home points with images. Like :func:`radius_graph`, the search is a custom operator
+    (``e3attn::radius_graph_pbc``) that ``torch.compile(fullgraph=True)`` traces.
 
     Args:
         pos: ``[N, 3]`` finite floating positions.
@@ -294,7 +578,8 @@ def radius_graph_pbc(
             non-periodic directions are ignored (they may be zero).
         pbc: booleans ``[3]`` or ``[B, 3]`` (tensor or sequence; a single bool means all
             three directions): which directions are periodic.
-        r_max: cutoff radius, a positive finite number.
+        r_max: cutoff radius, a positive finite number with :math:`r_{\max}^2` finite in
+            ``pos.dtype``.
         batch: ``[N]`` integer graph index of every point, or ``None`` for one graph.
 
     Returns:
@@ -303,8 +588,10 @@ def radius_graph_pbc(
         shift (lexicographic).
 
     Raises:
-        ValueError: on malformed input, or when the periodic lattice vectors of a graph
-            are linearly dependent.
+        ValueError: on malformed input; when the periodic lattice vectors of a graph are
+            linearly dependent; or when more than :math:`2^{20}` periodic images of a point
+            lie within ``r_max`` (a cell that is nearly singular, or tiny against
+            ``r_max``: the error names the plane spacing).
 
     Example::
 
@@ -317,21 +604,11 @@ def radius_graph_pbc(
         tensor([[-1.,  0.,  0.],
                 [ 1.,  0.,  0.]])
     """
-    r = _check_r_max(r_max)
     check_pos(pos)
+    r = _check_r_max(r_max, pos.dtype)
     batch = _graph_index(batch, pos)
     cell, pbc = _check_cell(cell, pbc, pos)
-    if batch is None:
-        batch = torch.zeros(pos.shape[0], dtype=torch.long, device=pos.device)
-    graphs, graph = torch.unique(batch, return_inverse=True)  # graph indices made contiguous
-    if cell.shape[0] == 1:
-        cell, pbc = cell.expand(graphs.numel(), 3, 3), pbc.expand(graphs.numel(), 3)
-    elif graphs.numel() > 0 and int(graphs[-1]) >= cell.shape[0]:
-        raise ValueError(f"batch holds graph index {int(graphs[-1])} but cell/pbc describe {cell.shape[0]} graphs")
-    else:
-        cell, pbc = cell[graphs], pbc[graphs]
-    pos = pos.detach()
-    return _radius_graph_pbc(pos, cell.detach(), pbc, r, graph, default_backend(pos.device))
+    return _radius_graph_pbc_op(pos.detach(), cell.detach(), pbc, r, batch)
 
 
 def complete_graph(num_nodes: int, batch: Optional[torch.Tensor] = None, *, loop: bool = True) -> torch.Tensor:

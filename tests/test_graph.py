@@ -1,15 +1,20 @@
-"""Neighbour graphs: every backend against brute force written plainly here."""
+"""Neighbour graphs: every backend against brute force written plainly here, and against ASE."""
+import concurrent.futures
+import contextlib
 import importlib.util
 import itertools
 import json
 import math
 import pathlib
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from e3attn import _search
+from e3attn import graph as graph_module
 from e3attn._cells import cell_list_pairs, ragged_arange
 from e3attn._search import BACKENDS, has_torch_cluster
 from e3attn.graph import _radius_graph, _radius_graph_pbc, complete_graph, radius_graph, radius_graph_pbc
@@ -208,6 +213,148 @@ def test_sparse_far_apart_clouds(backend):
     assert _radius_graph(pos, 1.0, None, False, None, backend).tolist() == [[1, 0, 3, 2], [0, 1, 2, 3]]
 
 
+@pytest.mark.parametrize("backend", AVAILABLE)
+def test_any_int64_graph_labels(backend):
+    # labels beyond 2**53 are not exactly representable in float64: they must never be used as coordinates
+    pos = torch.zeros(4, 3)
+    batch = torch.tensor([2**53, 2**53 + 1, 2**63 - 1, 2**53])
+    assert _radius_graph(pos, 1.0, batch, False, None, backend).tolist() == [[3, 0], [0, 3]]
+    assert radius_graph(pos, 1.0, batch).tolist() == [[3, 0], [0, 3]]
+
+
+@pytest.mark.parametrize("backend", AVAILABLE)
+def test_flat_elongated_and_outlying_clouds(backend):
+    # boxes that vesin 0.6 cannot grid (its capped cell grid rounds an axis to zero cells and divides by
+    # zero): a plane 400 cutoffs wide, a line 1e6 long, a cluster with a far outlier
+    gen = torch.Generator().manual_seed(6)
+    plane = torch.cat([torch.rand(30, 2, generator=gen, dtype=torch.float64) * 400, torch.zeros(30, 1)], 1)
+    plane = torch.cat([plane, plane[:10] + 0.3])  # ten close pairs
+    line = torch.zeros(8, 3, dtype=torch.float64)
+    line[:, 0] = torch.tensor([0.0, 0.5, 1e6, 1e6 + 0.9, 3e5, 3e5 + 1.1, 7e5, 7e5 + 0.2])
+    outlier = torch.cat([torch.rand(40, 3, generator=gen, dtype=torch.float64), torch.tensor([[1e9, 0, 0]])])
+    for pos in (plane, line, outlier):
+        expected = brute_radius_graph(pos, 1.0)
+        assert torch.equal(_radius_graph(pos, 1.0, None, False, None, backend), expected)
+        batch = torch.arange(pos.shape[0]) % 3
+        assert torch.equal(_radius_graph(pos, 1.0, batch, False, None, backend), brute_radius_graph(pos, 1.0, batch))
+
+
+def test_batch_of_many_uneven_graphs():
+    # vesin searches a batch in one call, every graph translated into its own slot: graphs of very
+    # different extents and shapes, in float32 and float64
+    gen = torch.Generator().manual_seed(7)
+    parts, labels = [], []
+    for g in range(40):
+        n = int(torch.randint(1, 12, (1,), generator=gen))
+        scale = [0.5, 3.0, 1e4][g % 3]
+        part = torch.rand(n, 3, generator=gen, dtype=torch.float64) * scale - scale / 2
+        if g % 4 == 0:
+            part[:, 2] = 0.0  # flat
+        parts.append(part)
+        labels += [3 * g + 1] * n
+    pos, batch = torch.cat(parts), torch.tensor(labels)
+    order = torch.randperm(pos.shape[0], generator=gen)
+    pos, batch = pos[order], batch[order]
+    for dtype in (torch.float32, torch.float64):
+        p = pos.to(dtype)
+        assert torch.equal(radius_graph(p, 1.3, batch), brute_radius_graph(p, 1.3, batch))
+
+
+def test_huge_r_max_and_coordinates():
+    # r_max**2 must be finite (and normal) in the dtype of pos: refused otherwise, not silently wrong
+    far = torch.tensor([[0.0, 0, 0], [5e154, 0, 0]], dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"r_max=1e\+155 is out of range for torch.float64 positions"):
+        radius_graph(far, 1e155)
+    with pytest.raises(ValueError, match=r"r_max=1e\+20 is out of range for torch.float32 positions"):
+        radius_graph(torch.tensor([[0.0, 0, 0], [3e19, 0, 0]]), 1e20)
+    with pytest.raises(ValueError, match=r"r_max=1e-30 is out of range for torch.float32"):
+        radius_graph(torch.zeros(2, 3), 1e-30)
+    with pytest.raises(ValueError, match="r_max=1e\\+155 is out of range"):
+        radius_graph_pbc(far, torch.eye(3, dtype=torch.float64), [True, False, False], 1e155)
+    # the largest usable cutoff, and coordinates near 1e154 and 1e300, work
+    assert radius_graph(far / 10, 1e154).tolist() == [[1, 0], [0, 1]]
+    assert radius_graph(far, 1e154).shape == (2, 0)
+    for magnitude in (1e154, 1e300):
+        pos = torch.tensor([[magnitude, 0, 0], [magnitude, 0.5, 0], [-magnitude, 0, 0], [0, 0, 0]], dtype=torch.float64)
+        assert torch.equal(radius_graph(pos, 1.0), brute_radius_graph(pos, 1.0))
+        assert torch.equal(radius_graph(pos, 1.0), edges_of([(1, 0), (0, 1)]))
+    # a cloud spread over more than 2**1000 cutoffs cannot be searched in units of r_max
+    with pytest.raises(ValueError, match=r"pos has coordinates up to 1e\+300, more than 2\*\*1000 times r_max"):
+        radius_graph(torch.tensor([[1e300, 0, 0], [0.0, 0, 0]], dtype=torch.float64), 1e-10)
+
+
+def test_numbers_numpy_scalars_and_bools():
+    pos = torch.tensor([[0.0, 0, 0], [1.5, 0, 0]])
+    expected = [[1, 0], [0, 1]]
+    for r_max in (2, 2.0, np.float32(2.0), np.float64(2.0), np.int64(2), np.array(2.0), torch.tensor(2.0)):
+        assert radius_graph(pos, r_max).tolist() == expected, r_max
+        assert radius_graph_pbc(pos, torch.eye(3) * 9, [True] * 3, r_max)[0].tolist() == expected, r_max
+    assert radius_graph(pos, 2.0, max_num_neighbors=np.int64(1)).tolist() == expected
+    assert radius_graph(pos, 2.0, loop=np.bool_(True)).shape[1] == 4
+    assert complete_graph(np.int64(2), loop=np.bool_(False)).tolist() == expected
+    for r_max in (True, np.bool_(True), torch.tensor(True), np.array(True)):
+        with pytest.raises(ValueError, match="r_max must be a positive finite number"):
+            radius_graph(pos, r_max)
+    for value in (1, 0, "yes", None):
+        with pytest.raises(ValueError, match="loop must be a bool"):
+            radius_graph(pos, 2.0, loop=value)
+    for value in (True, np.bool_(False), 2.0, np.float32(3)):
+        with pytest.raises(ValueError, match="max_num_neighbors must be None or a non-negative int"):
+            radius_graph(pos, 2.0, max_num_neighbors=value)
+    with pytest.raises(ValueError, match="num_nodes must be a non-negative int"):
+        complete_graph(np.bool_(True))
+
+
+def test_concurrent_calls_and_released_buffers(monkeypatch):
+    # every thread has its own vesin buffers; results beyond _VESIN_KEEP_PAIRS are copied out and the
+    # buffers released
+    gen = torch.Generator().manual_seed(8)
+    clouds = [torch.rand(n, 3, generator=gen) * 3 for n in (40, 50, 60, 70, 80, 90)]
+    expected = [brute_radius_graph(pos, 0.8) for pos in clouds]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            assert all(map(torch.equal, pool.map(lambda pos: radius_graph(pos, 0.8), clouds), expected))
+    monkeypatch.setattr(_search, "_VESIN_KEEP_PAIRS", 10)
+    for pos, edges in zip(clouds, expected):
+        assert torch.equal(radius_graph(pos, 0.8), edges)
+        assert getattr(_search._VESIN, "search", None) is None
+
+
+@pytest.mark.slow
+def test_radius_graph_under_torch_compile_fullgraph():
+    # the search is a custom operator with a data-dependent number of edges: one compiled graph, no
+    # break, the same edges as eager for clouds of different sizes; its value checks still run
+    def energy(pos, batch, cell):
+        edge_index = radius_graph(pos, 0.9, batch)
+        vec = pos[edge_index[0]] - pos[edge_index[1]]
+        periodic, shifts = radius_graph_pbc(pos, cell, [True, True, False], 0.7, batch)
+        vec_pbc = pos[periodic[0]] - pos[periodic[1]] + shifts @ cell
+        return (vec * vec).sum() + vec_pbc.norm(dim=1).sum(), edge_index, periodic, shifts
+
+    torch._dynamo.reset()
+    compiled = torch.compile(energy, fullgraph=True, dynamic=True)
+    gen = torch.Generator().manual_seed(9)
+    cell = torch.tensor([[2.0, 0.0, 0.0], [0.5, 2.5, 0.0], [0.0, 0.0, 3.0]], dtype=torch.float64)
+    for n in (40, 70):
+        pos = torch.rand(n, 3, generator=gen, dtype=torch.float64) * 3
+        batch = torch.randint(0, 2, (n,), generator=gen)
+        eager, traced = energy(pos, batch, cell), compiled(pos, batch, cell)
+        assert torch.allclose(eager[0], traced[0], rtol=1e-12, atol=0)
+        assert all(torch.equal(a, b) for a, b in zip(eager[1:], traced[1:]))
+    bad = pos.clone()
+    bad[3, 1] = float("nan")
+    with pytest.raises(ValueError, match="pos contains NaN"):
+        compiled(bad, batch, cell)
+
+
+def test_custom_operators_pass_opcheck():
+    pos = torch.rand(30, 3, generator=torch.Generator().manual_seed(10), dtype=torch.float64) * 2
+    batch = torch.tensor([5, 2**40] * 15)
+    cell = torch.tensor([[[2.0, 0, 0], [0.3, 2.0, 0], [0, 0, 2.5]]], dtype=torch.float64)
+    torch.library.opcheck(torch.ops.e3attn.radius_graph, (pos, 0.8, batch, True, None))
+    torch.library.opcheck(torch.ops.e3attn.radius_graph_pbc, (pos, cell, torch.tensor([[True, True, False]]), 0.8, None))
+
+
 # ---------------------------------------------------------------- periodic
 
 
@@ -218,7 +365,7 @@ def brute_radius_graph_pbc(pos, cells, pbc, r, graph):
         # plane spacings are >= the smallest singular value of the periodic lattice vectors;
         # positions lie within 2 cells of the origin, hence the + 4
         rows = cell[periodic]
-        reach = math.ceil(r / float(torch.linalg.svdvals(rows).min())) + 4 if len(rows) else 0
+        reach = math.ceil(r / float(torch.linalg.svdvals(rows.double()).min())) + 4 if len(rows) else 0
         ranges = [range(-reach, reach + 1) if p else [0] for p in periodic.tolist()]
         grid = torch.tensor(list(itertools.product(*ranges)), dtype=pos.dtype)  # lexicographic order
         grids.append((grid, grid @ cell))
@@ -328,6 +475,80 @@ def test_pbc_edge_cases():
         assert shifts[:, 0].tolist() == [0, -1, 0, -1, 1, 1] and not shifts[:, 1:].any()
 
 
+@st.composite
+def float_crystals(draw):
+    """A skewed cell with float entries, unwrapped float positions and random pbc (ASE needs full cells)."""
+    while True:
+        cell = torch.tensor(draw(st.lists(st.floats(-1.5, 1.5), min_size=9, max_size=9)), dtype=torch.float64)
+        cell = cell.reshape(3, 3) + torch.eye(3, dtype=torch.float64) * draw(st.floats(1.5, 4.0))
+        if float(torch.linalg.svdvals(cell).min()) >= 0.7:
+            break
+    n = draw(st.integers(1, 12))
+    frac = torch.tensor(draw(st.lists(st.floats(-1.0, 2.0), min_size=3 * n, max_size=3 * n)), dtype=torch.float64)
+    pbc = draw(st.lists(st.booleans(), min_size=3, max_size=3))
+    return frac.reshape(n, 3) @ cell, cell, pbc
+
+
+@settings(max_examples=40, deadline=None)
+@given(crystal=float_crystals(), r=st.floats(0.5, 3.0))
+def test_pbc_equals_ase(crystal, r):
+    from ase.neighborlist import primitive_neighbor_list
+
+    pos, cell, pbc = crystal
+    i, j, shifts = primitive_neighbor_list("ijS", pbc, cell.numpy(), pos.numpy(), r, self_interaction=False)
+    # ASE: D = pos[j] - pos[i] + S @ cell; here src = j, dst = i
+    expected = sorted(zip(i.tolist(), j.tolist(), map(tuple, shifts.tolist())))
+    for backend in AVAILABLE:
+        edge_index, found = _radius_graph_pbc(pos, cell[None], torch.tensor([pbc]), r, torch.zeros(len(pos), dtype=torch.long), backend)
+        got = list(zip(edge_index[1].tolist(), edge_index[0].tolist(), map(tuple, found.long().tolist())))
+        assert got == expected, backend
+
+
+def test_pbc_unwrapped_positions_far_from_the_cell():
+    # points up to 300 cells away: the shifts carry the wrapping (large ones take the stable-sort path)
+    gen = torch.Generator().manual_seed(11)
+    cell = torch.tensor([[2.2, 0.0, 0.0], [0.7, 2.0, 0.0], [-0.4, 0.3, 2.5]], dtype=torch.float64)
+    home = torch.rand(9, 3, generator=gen, dtype=torch.float64) @ cell
+    for spread in (3, 300):
+        wrap = torch.randint(-spread, spread + 1, (9, 3), generator=gen)
+        pos = home + wrap.double() @ cell
+        edge_index, shifts = radius_graph_pbc(pos, cell, [True] * 3, 2.4)
+        reference, reference_shifts = radius_graph_pbc(home, cell, [True] * 3, 2.4)
+        src, dst = reference
+        moved = reference_shifts.long() + wrap[dst] - wrap[src]
+        triples = sorted(zip(dst.tolist(), src.tolist(), map(tuple, moved.tolist())))
+        assert list(zip(edge_index[1].tolist(), edge_index[0].tolist(), map(tuple, shifts.long().tolist()))) == triples
+        edge_vec = pos[edge_index[0]] - pos[edge_index[1]] + shifts @ cell
+        assert float(edge_vec.norm(dim=1).max()) < 2.4
+
+
+def test_pbc_cells_vesin_cannot_grid():
+    # a periodic sheet 400 cutoffs wide and 0.9 thick: vesin 0.6 would divide by zero
+    gen = torch.Generator().manual_seed(12)
+    cell = torch.diag(torch.tensor([400.0, 400.0, 0.9], dtype=torch.float64))
+    pos = torch.rand(12, 3, generator=gen, dtype=torch.float64) @ cell
+    pos = torch.cat([pos, pos[:4] + 0.4])
+    for pbc in ([True, True, True], [True, True, False]):
+        expected = brute_radius_graph_pbc(pos, cell[None], torch.tensor([pbc]), 1.0, torch.zeros(16, dtype=torch.long))
+        for backend in AVAILABLE:
+            edge_index, shifts = _radius_graph_pbc(pos, cell[None], torch.tensor([pbc]), 1.0, torch.zeros(16, dtype=torch.long), backend)
+            assert torch.equal(edge_index, expected[0]) and torch.equal(shifts, expected[1]), backend
+
+
+@pytest.mark.parametrize(
+    "cell, r_max, match",
+    [
+        ([[1, 0, 0], [1, 1e-7, 0], [0, 0, 1]], 1.0, r"direction [01] are 1e-07 apart, so r_max=1 reaches 1.2e\+15 periodic"),
+        ([[1e-10, 0, 0], [0, 1e-10, 0], [0, 0, 1e-10]], 1.0, r"direction \d are 1e-10 apart, so r_max=1 reaches 8e\+30"),
+        ([[0.01, 0, 0], [0, 1, 0], [0, 0, 1]], 30.0, r"direction 0 are 0.01 apart"),
+    ],
+)
+def test_pbc_refuses_unreasonable_numbers_of_images(cell, r_max, match):
+    pos = torch.zeros(3, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=match):
+        radius_graph_pbc(pos, torch.tensor(cell, dtype=torch.float64), [True] * 3, r_max)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -350,6 +571,38 @@ def test_pbc_bad_input(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         radius_graph_pbc(**args)
+
+
+@contextlib.contextmanager
+def _torch_assembly():
+    """The graphs of CPU tensors assembled with torch instead of NumPy: the code path of GPUs (and bfloat16)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(graph_module, "_on_host", lambda pos: False)
+        yield
+
+
+@settings(max_examples=25, deadline=None)
+@given(cloud=clouds(), r=st.sampled_from(RADII), loop=st.booleans(), crystal=crystals(num_graphs=2))
+def test_torch_assembly_equals_brute_force(cloud, r, loop, crystal):
+    # on GPUs the graph is sorted and decoded with torch; the same functions run here on CPU tensors
+    pos, batch = cloud
+    pbc_pos, cells, pbc, graph = crystal
+    expected_pbc = brute_radius_graph_pbc(pbc_pos, cells, pbc, r, graph)
+    with _torch_assembly():
+        for backend in AVAILABLE:
+            assert torch.equal(_radius_graph(pos, r, batch, loop, None, backend), brute_radius_graph(pos, r, batch, loop))
+            edge_index, shifts = _radius_graph_pbc(pbc_pos, cells, pbc, r, graph, backend)
+            assert torch.equal(edge_index, expected_pbc[0]) and torch.equal(shifts, expected_pbc[1]), backend
+
+
+def test_bfloat16_positions():
+    # NumPy has no bfloat16: such graphs are assembled with torch, in bfloat16
+    pos = (torch.rand(40, 3, generator=torch.Generator().manual_seed(13)) * 3).to(torch.bfloat16)
+    assert torch.equal(radius_graph(pos, 1.0), brute_radius_graph(pos, 1.0))
+    cell = (torch.eye(3) * 3).to(torch.bfloat16)
+    edge_index, shifts = radius_graph_pbc(pos, cell, [True, True, False], 1.0)
+    expected = brute_radius_graph_pbc(pos, cell[None], torch.tensor([[True, True, False]]), 1.0, torch.zeros(40, dtype=torch.long))
+    assert torch.equal(edge_index, expected[0]) and torch.equal(shifts, expected[1])
 
 
 # ---------------------------------------------------------------- complete graph
@@ -386,7 +639,15 @@ def test_benchmark_quick_run(tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = tmp_path / "radius_graph.json"
+    threads = torch.get_num_threads()
     module.main(["--quick", "--device", "cpu", "--out", str(out)])
+    assert torch.get_num_threads() == threads
     rows = json.loads(out.read_text())["results"]
-    assert {row["method"] for row in rows} >= {"e3attn", "dense"}
-    assert all(row["num_edges"] == rows[0]["num_edges"] for row in rows if row["num_points"] == rows[0]["num_points"])
+    methods = {name: {row["method"] for row in rows if row["system"] == name} for name in ("open", "fcc", "triclinic")}
+    assert methods["open"] >= {"e3attn", "e3attn[cells]", "vesin", "vesin[sorted]", "dense"}
+    assert methods["fcc"] == methods["triclinic"] == {"e3attn", "vesin", "vesin[sorted]"}
+    for row in rows:  # every method of a case found the same edges as vesin
+        vesin = [other for other in rows if other["method"] == "vesin" and all(
+            other[key] == row[key] for key in ("system", "num_points", "threads"))]
+        assert row["num_edges"] == vesin[0]["num_edges"] > 0
+        assert row["wall_ms"] > 0 and row["cpu_ratio_to_vesin"] > 0
