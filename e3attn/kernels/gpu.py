@@ -2,17 +2,17 @@ r"""The fused tensor product on CUDA: Triton kernels, compiled by Triton on firs
 
 The product runs in two steps (see :mod:`e3attn.kernels.layout`), each one kernel over tiles of edges:
 
-1. :func:`_coefficients_kernel`: the path features :math:`y_e = P(x_{\mathrm{index}(e)}, Y_e)`
+1. ``_coefficients_kernel``: the path features :math:`y_e = P(x_{\mathrm{index}(e)}, Y_e)`
    ``[E, num_paths]``, one sum of Clebsch-Gordan terms per path (``x[index]`` is gathered inside);
-2. :func:`_blocks_kernel`: per (tile, output block, chunk of channels), the block's weights
+2. ``_blocks_kernel``: per (tile, output block, chunk of channels), the block's weights
    :math:`w = h L` with ``tl.dot`` (in IEEE precision: no TF32), contracted with :math:`y` into the
    output columns. The ``[E, weight_numel]`` weights are never stored.
 
 Blocks of one dimension :math:`2l+1` are launched together, with tiles sized for them. The backward
-runs the steps in reverse order: :func:`_paths_gradient_kernel` gives the gradient of :math:`y` (one
-program per tile and degree group, summing over the group's blocks), :func:`_hidden_backward_kernel`
-that of :math:`h`, :func:`_linear_backward_kernel` that of :math:`L` (each program sums over a share
-of the tiles), and :func:`_coefficients_kernel` again those of :math:`x` (per edge) and :math:`Y`.
+runs the steps in reverse order: ``_paths_gradient_kernel`` gives the gradient of :math:`y` (one
+program per tile and degree group, summing over the group's blocks), ``_hidden_backward_kernel``
+that of :math:`h`, ``_linear_backward_kernel`` that of :math:`L` (each program sums over a share
+of the tiles), and ``_coefficients_kernel`` again those of :math:`x` (per edge) and :math:`Y`.
 Sums across programs are atomic additions, whose order (and so the last bits of a float sum) may
 vary from run to run. The backward of the backward is composed from these (see
 :mod:`e3attn.kernels.ops`).
@@ -319,7 +319,7 @@ def _sizes(device: torch.device, hidden_sizes: List[int], numel) -> Tuple[torch.
 
 def _coefficient_sums(dev: _DeviceLayout, a, a_columns, a_gathered: bool, b, b_columns, b_gathered: bool,
                       index, ptr, order, num_columns: int) -> torch.Tensor:
-    """:func:`_coefficients_kernel`'s ``[E, num_columns]`` (``index`` is used where a factor is gathered)."""
+    """``_coefficients_kernel``'s ``[E, num_columns]`` (``index`` is used where a factor is gathered)."""
     num = b.shape[0] if not b_gathered else a.shape[0]
     out = a.new_empty(num, num_columns)
     _coefficients_kernel[(triton.cdiv(num, BLOCK_E),)](
