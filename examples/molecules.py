@@ -22,7 +22,6 @@ Predict with a checkpoint (new EMT-labelled structures, or any file ASE reads):
 
     python examples/molecules.py --predict model.pt [--structures file.xyz]
 """
-import argparse
 import math
 import os
 import time
@@ -260,8 +259,8 @@ def parse_args(argv=None):
     p.add_argument("--density", type=int, default=0, metavar="K",
                    help="neighbour-density channels per block (0: attention only)")
     p.add_argument("--avg-num-neighbors", type=float, default=10.0, help="normalisation of the density sums")
-    p.add_argument("--layer-norm", action=argparse.BooleanOptionalAction, default=True,
-                   help="equivariant layer norm after every block")
+    p.add_argument("--layer-norm", choices=("post", "pre", "none"), default="post",
+                   help="equivariant layer norm after every block, on every block's input, or none")
     p.add_argument("--amp", action="store_true", help="bfloat16 autocast (CUDA only)")
     p.add_argument("--ddp", action="store_true", help="DistributedDataParallel; launch with torchrun")
     p.add_argument("--save", default=None, help="write a checkpoint here after training")
@@ -281,27 +280,20 @@ def parse_args(argv=None):
 # ------------------------------------------------------------------ training and prediction
 
 
-def train(args):
-    """Train on EMT data; returns ``(model, metrics)`` (the model unwrapped from DDP)."""
+def fit(model, train_set, units, args, device, rank: int = 0, world: int = 1):
+    """Train ``model`` (DDP-wrapped with ``--ddp``); returns the mean loss of every epoch and the seconds taken.
+
+    Adam with the schedule of ``--schedule``; with ``--time-budget`` no epoch starts that would not end
+    within it, and the cosine schedule follows the time.
+    """
     from tqdm import tqdm
 
-    rank, world, device = init_distributed(args)
-    torch.manual_seed(args.seed)
-    train_set = [to_sample(a, args.max_radius) for a in make_structures(args.train, args.seed)]
-    test_set = [to_sample(a, args.max_radius) for a in make_structures(args.test, args.seed + 10_000)]
-    units = fit_references(train_set)
-
-    model = build_model(args).to(device)
-    module = model
-    if args.ddp:
-        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     sampler = DistributedSampler(train_set, world, rank, shuffle=True, seed=args.seed) if args.ddp else None
     loader = DataLoader(train_set, args.batch_size, shuffle=sampler is None, sampler=sampler, collate_fn=collate,
                         generator=torch.Generator().manual_seed(args.seed))
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=3) \
         if args.schedule == "plateau" else None
-
     bar = tqdm(range(args.epochs), desc="training", disable=rank != 0 or args.quiet)
     losses = []
     start, epoch_time = time.perf_counter(), 0.0
@@ -330,7 +322,22 @@ def train(args):
             plateau.step(synced_max(losses[-1], args.ddp, device))
         epoch_time = synced_max(time.perf_counter() - start, args.ddp, device) - elapsed
         bar.set_postfix(loss=f"{losses[-1]:.3e}")
-    train_time = time.perf_counter() - start
+    return losses, time.perf_counter() - start
+
+
+def train(args):
+    """Train on EMT data; returns ``(model, metrics)`` (the model unwrapped from DDP)."""
+    rank, world, device = init_distributed(args)
+    torch.manual_seed(args.seed)
+    train_set = [to_sample(a, args.max_radius) for a in make_structures(args.train, args.seed)]
+    test_set = [to_sample(a, args.max_radius) for a in make_structures(args.test, args.seed + 10_000)]
+    units = fit_references(train_set)
+
+    model = build_model(args).to(device)
+    module = model
+    if args.ddp:
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    losses, train_time = fit(model, train_set, units, args, device, rank, world)
 
     result = evaluate(module, test_set, units, device, args.amp)
     metrics = {

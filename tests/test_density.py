@@ -109,7 +109,7 @@ def make_model(seed=0, **kwargs):
     ).double()
 
 
-VARIANTS = [dict(density_channels=4), dict(layer_norm=False), dict(density_channels=3, layer_norm=False)]
+VARIANTS = [dict(density_channels=4), dict(layer_norm="pre"), dict(layer_norm="none"), dict(density_channels=3, layer_norm="pre")]
 
 
 @pytest.mark.parametrize("options", VARIANTS)
@@ -159,7 +159,7 @@ def test_density_enters_the_energy_and_forces():
         assert all(p.grad.abs().max() > 0 for p in block.density.parameters())
     with torch.no_grad():
         for block in model.layers:
-            block.density_mix.weight.zero_()
+            block.density_mix[-1].weight.zero_()
     without, _ = energy_and_forces(model, pos, node_attr=attr)
     assert (without - energy).abs().max() > 1e-3
 
@@ -168,8 +168,8 @@ def test_defaults_are_the_old_model():
     # the new options default to the model without them: same parameters, same outputs
     old_names = {"embedding.weight", "output.weight"}
     model = make_model()
-    assert model.config["density_channels"] == 0 and model.config["layer_norm"] is True
-    assert all(block.density is None and block.norm is not None for block in model.layers)
+    assert model.config["density_channels"] == 0 and model.config["layer_norm"] == "post"
+    assert all(block.density is None and block.norm is not None and not block.pre_norm for block in model.layers)
     assert old_names <= set(model.state_dict())
     assert not any("density" in name for name in model.state_dict())
 
@@ -192,7 +192,7 @@ def test_checkpoint_without_the_new_options_loads_as_the_old_model(tmp_path):
 
 
 def test_density_checkpoint_round_trip(tmp_path):
-    model = make_model(density_channels=4, avg_num_neighbors=3.0, layer_norm=False)
+    model = make_model(density_channels=4, avg_num_neighbors=3.0, layer_norm="pre")
     save_checkpoint(model, tmp_path / "model.pt")
     loaded, _ = load_checkpoint(tmp_path / "model.pt")
     pos, _ = cluster(n=9)
@@ -207,7 +207,7 @@ def test_density_checkpoint_round_trip(tmp_path):
         (dict(density_channels=-1), "density_channels must be a non-negative int"),
         (dict(density_channels=True), "density_channels must be a non-negative int"),
         (dict(density_channels=2, avg_num_neighbors=-1.0), "avg_num_neighbors must be a positive number"),
-        (dict(layer_norm="no"), "layer_norm must be a bool"),
+        (dict(layer_norm=False), "layer_norm must be one of"),
     ],
 )
 def test_transformer_rejects_bad_options(kwargs, match):

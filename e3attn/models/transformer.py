@@ -20,6 +20,7 @@ from .norm import EquivariantLayerNorm
 __all__ = ["EquivariantTransformer"]
 
 REDUCTIONS = (None, "sum", "mean")
+LAYER_NORMS = ("post", "pre", "none")
 _DATA_KEYS = ("pos", "x", "batch", "edge_index", "edge_vec", "node_attr")
 
 
@@ -34,7 +35,7 @@ class _Block(torch.nn.Module):
         *,
         density_channels: int = 0,
         avg_num_neighbors: float = 1.0,
-        layer_norm: bool = True,
+        layer_norm: str = "post",
         **attention_kwargs,
     ) -> None:
         super().__init__()
@@ -48,16 +49,22 @@ class _Block(torch.nn.Module):
             self.density = NeighbourDensity(
                 irreps, density_channels, max_radius, avg_num_neighbors=avg_num_neighbors, **radial
             )
-            self.density_mix = IrrepsLinear(f"{density_channels}x0e", self.gate.irreps_in)
+            self.density_mix = torch.nn.Sequential(
+                torch.nn.Linear(density_channels, density_channels),
+                torch.nn.SiLU(),
+                IrrepsLinear(f"{density_channels}x0e", self.gate.irreps_in),
+            )
         self.self_interaction = IrrepsLinear(irreps, irreps)
-        self.norm = EquivariantLayerNorm(irreps) if layer_norm else None
+        self.norm = EquivariantLayerNorm(irreps) if layer_norm != "none" else None
+        self.pre_norm = layer_norm == "pre"
 
     def forward(self, h, pos, edge_index, edge_vec):
-        update = self.attention(h, pos, edge_index, edge_vec=edge_vec)
+        x = self.norm(h) if self.pre_norm else h
+        update = self.attention(x, pos, edge_index, edge_vec=edge_vec)
         if self.density is not None:
-            update = update + self.density_mix(self.density(h, edge_index, edge_vec))
+            update = update + self.density_mix(self.density(x, edge_index, edge_vec))
         h = h + self.self_interaction(self.gate(update))
-        return h if self.norm is None else self.norm(h)
+        return self.norm(h) if self.norm is not None and not self.pre_norm else h
 
 
 class EquivariantTransformer(torch.nn.Module):
@@ -95,7 +102,7 @@ class EquivariantTransformer(torch.nn.Module):
         h^{(t+1)}_i = \mathrm{LN}\!\left(h^{(t)}_i + W^{(t)}\,
             \mathrm{Gate}\!\left(\mathrm{Attn}^{(t)}(h^{(t)}, \vec x)_i + W_\rho^{(t)}\, \rho^{(t)}_i\right)\right)
 
-    and ``layer_norm=False`` drops :math:`\mathrm{LN}`. The attention itself is unchanged
+    and ``layer_norm`` moves or drops :math:`\mathrm{LN}`. The attention itself is unchanged
     (``sqrt_alpha`` aggregation). The defaults (no density, layer norm) are the model of
     e3attn 0.1, so checkpoints written without these options load as they were saved.
 
@@ -119,7 +126,10 @@ class EquivariantTransformer(torch.nn.Module):
             (a graph index without nodes pools to zeros).
         density_channels: neighbour densities :math:`K` per block (0: none, attention only).
         avg_num_neighbors: normalisation of the density sums (about the mean number of neighbours).
-        layer_norm: the equivariant layer norm after every block.
+        layer_norm: where the equivariant layer norm goes: ``"post"`` (after every block's residual
+            sum, as above), ``"pre"`` (on every block's input, :math:`h^{(t+1)} = h^{(t)} +
+            W^{(t)}\,\mathrm{Gate}(\mathrm{Attn}^{(t)}(\mathrm{LN}(h^{(t)})))`: the residual stream, and
+            the output, keep their magnitude) or ``"none"``.
 
     Shapes:
         ``pos [N, 3]``, ``x [N, irreps_in.dim]``, ``node_attr [N, irreps_node_attr.dim]``,
@@ -153,7 +163,7 @@ class EquivariantTransformer(torch.nn.Module):
         reduce: Optional[str] = None,
         density_channels: int = 0,
         avg_num_neighbors: float = 1.0,
-        layer_norm: bool = True,
+        layer_norm: str = "post",
     ) -> None:
         super().__init__()
         self.irreps_in = as_irreps(irreps_in, "irreps_in")
@@ -169,8 +179,8 @@ class EquivariantTransformer(torch.nn.Module):
             raise ValueError(f"density_channels must be a non-negative int, got {density_channels!r}")
         if not (isinstance(avg_num_neighbors, (int, float)) and avg_num_neighbors > 0):
             raise ValueError(f"avg_num_neighbors must be a positive number, got {avg_num_neighbors!r}")
-        if not isinstance(layer_norm, bool):
-            raise ValueError(f"layer_norm must be a bool, got {layer_norm!r}")
+        if layer_norm not in LAYER_NORMS:
+            raise ValueError(f"layer_norm must be one of {LAYER_NORMS}, got {layer_norm!r}")
         split_heads(self.irreps_hidden, num_heads, "irreps_hidden")
         split_heads(self.irreps_key, num_heads, "irreps_key")
         self.reduce = reduce
@@ -191,7 +201,7 @@ class EquivariantTransformer(torch.nn.Module):
             max_radius=self.max_radius, num_layers=num_layers, num_heads=num_heads, lmax=lmax,
             number_of_basis=number_of_basis, radial_neurons=radial_neurons, irreps_key=str(self.irreps_key),
             irreps_node_attr=None if self.irreps_node_attr is None else str(self.irreps_node_attr), reduce=reduce,
-            density_channels=density_channels, avg_num_neighbors=float(avg_num_neighbors), layer_norm=bool(layer_norm),
+            density_channels=density_channels, avg_num_neighbors=float(avg_num_neighbors), layer_norm=layer_norm,
         )
 
     def extra_repr(self) -> str:
