@@ -109,7 +109,10 @@ def make_model(seed=0, **kwargs):
     ).double()
 
 
-VARIANTS = [dict(density_channels=4), dict(layer_norm="pre"), dict(layer_norm="none"), dict(density_channels=3, layer_norm="pre")]
+VARIANTS = [
+    dict(density_channels=4), dict(layer_norm="pre"), dict(layer_norm="none"),
+    dict(density_channels=3, layer_norm="pre", basis="bessel"), dict(density_channels=3, basis="gaussian"),
+]
 
 
 @pytest.mark.parametrize("options", VARIANTS)
@@ -181,7 +184,7 @@ def test_checkpoint_without_the_new_options_loads_as_the_old_model(tmp_path):
             p.add_(0.1 * torch.randn_like(p))
     save_checkpoint(model, tmp_path / "model.pt")
     checkpoint = torch.load(tmp_path / "model.pt", weights_only=True)
-    for key in ("density_channels", "avg_num_neighbors", "layer_norm"):  # as written by e3attn 0.1.0
+    for key in ("density_channels", "avg_num_neighbors", "layer_norm", "basis"):  # as written by e3attn 0.1.0
         del checkpoint["config"][key]
     torch.save(checkpoint, tmp_path / "old.pt")
     loaded, _ = load_checkpoint(tmp_path / "old.pt")

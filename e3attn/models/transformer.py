@@ -45,7 +45,7 @@ class _Block(torch.nn.Module):
         )
         self.density = self.density_mix = None
         if density_channels:
-            radial = {k: attention_kwargs[k] for k in ("number_of_basis", "radial_neurons") if k in attention_kwargs}
+            radial = {k: attention_kwargs[k] for k in ("number_of_basis", "radial_neurons", "basis") if k in attention_kwargs}
             self.density = NeighbourDensity(
                 irreps, density_channels, max_radius, avg_num_neighbors=avg_num_neighbors, **radial
             )
@@ -126,6 +126,7 @@ class EquivariantTransformer(torch.nn.Module):
             (a graph index without nodes pools to zeros).
         density_channels: neighbour densities :math:`K` per block (0: none, attention only).
         avg_num_neighbors: normalisation of the density sums (about the mean number of neighbours).
+        basis: radial basis of the edge lengths, see :class:`~e3attn.radial.RadialEmbedding`.
         layer_norm: where the equivariant layer norm goes: ``"post"`` (after every block's residual
             sum, as above), ``"pre"`` (on every block's input, :math:`h^{(t+1)} = h^{(t)} +
             W^{(t)}\,\mathrm{Gate}(\mathrm{Attn}^{(t)}(\mathrm{LN}(h^{(t)})))`: the residual stream, and
@@ -164,6 +165,7 @@ class EquivariantTransformer(torch.nn.Module):
         density_channels: int = 0,
         avg_num_neighbors: float = 1.0,
         layer_norm: str = "post",
+        basis: str = "smooth_finite",
     ) -> None:
         super().__init__()
         self.irreps_in = as_irreps(irreps_in, "irreps_in")
@@ -189,7 +191,7 @@ class EquivariantTransformer(torch.nn.Module):
         self.layers = torch.nn.ModuleList(
             _Block(
                 self.irreps_hidden, self.irreps_key, max_radius, num_heads=num_heads, lmax=lmax,
-                number_of_basis=number_of_basis, radial_neurons=radial_neurons,
+                number_of_basis=number_of_basis, radial_neurons=radial_neurons, basis=basis,
                 density_channels=density_channels, avg_num_neighbors=avg_num_neighbors, layer_norm=layer_norm,
             )
             for _ in range(num_layers)
@@ -202,6 +204,7 @@ class EquivariantTransformer(torch.nn.Module):
             number_of_basis=number_of_basis, radial_neurons=radial_neurons, irreps_key=str(self.irreps_key),
             irreps_node_attr=None if self.irreps_node_attr is None else str(self.irreps_node_attr), reduce=reduce,
             density_channels=density_channels, avg_num_neighbors=float(avg_num_neighbors), layer_norm=layer_norm,
+            basis=basis,
         )
 
     def extra_repr(self) -> str:
