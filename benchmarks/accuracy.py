@@ -116,10 +116,8 @@ class NequIPStyle(torch.nn.Module):
                                       avg_num_neighbors))
             irreps = layers[-1].gate.irreps_out
         self.layers = torch.nn.ModuleList(layers)
-        num_scalars = irreps.count("0e")
-        self.readout = torch.nn.Sequential(
-            o3.Linear(irreps, f"{max(num_scalars // 2, 1)}x0e"), torch.nn.SiLU(), o3.Linear(f"{max(num_scalars // 2, 1)}x0e", "0e")
-        )
+        readout = f"{max(irreps.count('0e') // 2, 1)}x0e"
+        self.readout = torch.nn.Sequential(o3.Linear(irreps, readout), torch.nn.SiLU(), o3.Linear(readout, "0e"))
 
     def forward(self, pos, x=None, batch=None, edge_index=None, edge_vec=None, *, node_attr=None):
         if edge_vec is None:
@@ -131,6 +129,15 @@ class NequIPStyle(torch.nn.Module):
         batch = torch.zeros_like(energy, dtype=torch.long) if batch is None else batch
         num_graphs = int(batch.max()) + 1 if batch.numel() else 0
         return energy.new_zeros(num_graphs).index_add(0, batch, energy)
+
+
+def cpu_name() -> str:
+    """The processor's model name (Linux), or the platform's machine type."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine()
 
 
 def build(name: str, args) -> torch.nn.Module:
@@ -169,9 +176,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     train_args = args.train_args
-    train_set = [molecules.to_sample(a, train_args.max_radius) for a in molecules.make_structures(train_args.train, train_args.seed)]
-    test_set = [molecules.to_sample(a, train_args.max_radius)
-                for a in molecules.make_structures(train_args.test, train_args.seed + 10_000)]
+    def samples(num: int, seed: int) -> list:
+        return [molecules.to_sample(a, train_args.max_radius) for a in molecules.make_structures(num, seed)]
+
+    train_set, test_set = samples(train_args.train, train_args.seed), samples(train_args.test, train_args.seed + 10_000)
     units = molecules.fit_references(train_set)
     args.avg_num_neighbors = train_args.avg_num_neighbors
     args.max_radius = train_args.max_radius
@@ -196,7 +204,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
               flush=True)
     report = {
         "meta": {
-            "machine": platform.processor() or platform.machine(),
+            "machine": cpu_name(),
             "python": platform.python_version(),
             "torch": torch.__version__,
             "threads": args.threads,

@@ -112,7 +112,7 @@ def make_model(seed=0, **kwargs):
 VARIANTS = [
     dict(density_channels=4), dict(layer_norm="pre"), dict(layer_norm="none"),
     dict(density_channels=3, layer_norm="pre", basis="bessel"), dict(density_channels=3, basis="gaussian"),
-]
+]  # their smoothness at the cutoff: tests/test_models.py::test_neighbour_fades_out_smoothly_at_the_cutoff
 
 
 @pytest.mark.parametrize("options", VARIANTS)
@@ -126,27 +126,6 @@ def test_transformer_options_o3_equivariant(options):
         lambda pos: model(pos, node_attr=attr), [pos], ["cartesian_points"], [model.irreps_out], ntrials=2
     )
     assert err <= 1e-10
-
-
-@pytest.mark.parametrize("options", VARIANTS)
-def test_transformer_options_fade_a_neighbour_out_smoothly(options):
-    # a dimer: as the distance reaches max_radius, energy and forces flatten onto those of two lone atoms
-    torch.manual_seed(0)
-    model = EquivariantTransformer(
-        "1x0e", HIDDEN, "0e", MAX_RADIUS, num_layers=2, irreps_node_attr="3x0e", reduce="sum", **options
-    ).double()
-    attr = torch.eye(3, dtype=torch.float64)[:2]
-    direction = torch.tensor([0.48, -0.36, 0.8], dtype=torch.float64)
-
-    def dimer(d):
-        return energy_and_forces(model, torch.stack([torch.zeros(3, dtype=torch.float64), d * direction]), node_attr=attr)
-
-    alone, _ = dimer(3 * MAX_RADIUS)
-    inside, _ = dimer(MAX_RADIUS - 0.1)
-    assert abs(inside.item() - alone.item()) > 1e-3
-    for d in (MAX_RADIUS - 1e-3, MAX_RADIUS - 1e-6, MAX_RADIUS + 1e-6):
-        energy, forces = dimer(d)
-        assert abs(energy.item() - alone.item()) < 1e-10 and forces.abs().max() < 1e-10
 
 
 def test_density_enters_the_energy_and_forces():

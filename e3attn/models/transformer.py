@@ -45,7 +45,7 @@ class _Block(torch.nn.Module):
         )
         self.density = self.density_mix = None
         if density_channels:
-            radial = {k: attention_kwargs[k] for k in ("number_of_basis", "radial_neurons", "basis") if k in attention_kwargs}
+            radial = {k: v for k, v in attention_kwargs.items() if k in ("number_of_basis", "radial_neurons", "basis")}
             self.density = NeighbourDensity(
                 irreps, density_channels, max_radius, avg_num_neighbors=avg_num_neighbors, **radial
             )
@@ -95,12 +95,13 @@ class EquivariantTransformer(torch.nn.Module):
     which is what embedded-atom energies are built from. With ``density_channels`` :math:`K > 0`
     every block adds, next to the attention, :math:`K` learned neighbour densities
     :math:`\rho^{(t)}_i` (:class:`~e3attn.models.NeighbourDensity`, unnormalised cutoff-weighted
-    sums over the neighbours) mixed into the gate's scalar inputs,
+    sums over the neighbours) through a one-hidden-layer MLP into the gate's scalar inputs,
 
     .. math::
 
         h^{(t+1)}_i = \mathrm{LN}\!\left(h^{(t)}_i + W^{(t)}\,
-            \mathrm{Gate}\!\left(\mathrm{Attn}^{(t)}(h^{(t)}, \vec x)_i + W_\rho^{(t)}\, \rho^{(t)}_i\right)\right)
+            \mathrm{Gate}\!\left(\mathrm{Attn}^{(t)}(h^{(t)}, \vec x)_i
+            + W_\rho^{(t)}\, \mathrm{silu}\big(A^{(t)} \rho^{(t)}_i + b^{(t)}\big)\right)\right)
 
     and ``layer_norm`` moves or drops :math:`\mathrm{LN}`. The attention itself is unchanged
     (``sqrt_alpha`` aggregation). The defaults (no density, layer norm) are the model of
