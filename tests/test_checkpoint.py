@@ -22,7 +22,8 @@ from e3attn import (
     SphericalHarmonics,
     SphericalTensorProduct,
 )
-from e3attn.models import EquivariantLayerNorm, EquivariantTransformer, Gate, load_checkpoint, save_checkpoint
+from e3attn.models import (EquivariantLayerNorm, EquivariantTransformer, Gate, NeighbourDensity, load_checkpoint,
+                           save_checkpoint)
 
 
 def small_model():
@@ -185,6 +186,8 @@ def public_modules():
         EquivariantTransformer: (small_model(), lambda m: m(pos)),
         EquivariantLayerNorm: (EquivariantLayerNorm(irreps), lambda m: m(f)),
         Gate: (Gate("2x0e + 1x0o + 2x1o"), lambda m: m(torch.randn(5, 11, generator=gen()))),
+        NeighbourDensity: (NeighbourDensity(irreps, 8, max_radius=1.5),
+                           lambda m: m(f, edge_index, pos[edge_index[0]] - pos[edge_index[1]])),
     }
 
 

@@ -189,9 +189,14 @@ def test_batch_equals_one_by_one(reduce):
         torch.testing.assert_close(alone, expected, atol=1e-12, rtol=0)
 
 
-def test_neighbour_fades_out_smoothly_at_the_cutoff():
+@pytest.mark.parametrize(
+    "options",
+    [{}, dict(density_channels=4), dict(layer_norm="pre"), dict(layer_norm="none"),
+     dict(density_channels=3, layer_norm="pre", basis="bessel")],
+)
+def test_neighbour_fades_out_smoothly_at_the_cutoff(options):
     # a dimer: as the distance reaches max_radius the energy flattens onto that of two lone atoms
-    model = make_model("1x0e", reduce="sum")
+    model = make_model("1x0e", reduce="sum", **options)
     r = model.max_radius
     direction = torch.tensor([0.48, -0.36, 0.8], dtype=torch.float64)
 
@@ -201,7 +206,9 @@ def test_neighbour_fades_out_smoothly_at_the_cutoff():
     alone, _ = dimer(3 * r)
     inside, _ = dimer(r - 0.1)
     assert abs(inside.item() - alone.item()) > 1e-3
-    for d in (r - 1e-3, r - 1e-6, r + 1e-6):
+    # the smooth_finite basis vanishes with every derivative, the bessel basis (polynomial envelope) as (1 - r/r_max)^4
+    near = 1e-3 if options.get("basis", "smooth_finite") == "smooth_finite" else 1e-5
+    for d in (r - near, r - 1e-6, r + 1e-6):
         energy, forces = dimer(d)
         assert abs(energy.item() - alone.item()) < 1e-10 and forces.abs().max() < 1e-10
 

@@ -14,29 +14,57 @@ from ..heads import split_heads
 from ..linear import IrrepsLinear
 from ..scatter import scatter_sum
 from .gate import Gate
+from .density import NeighbourDensity
 from .norm import EquivariantLayerNorm
 
 __all__ = ["EquivariantTransformer"]
 
 REDUCTIONS = (None, "sum", "mean")
+LAYER_NORMS = ("post", "pre", "none")
 _DATA_KEYS = ("pos", "x", "batch", "edge_index", "edge_vec", "node_attr")
 
 
 class _Block(torch.nn.Module):
-    """Attention -> gate -> self-interaction -> residual -> layer norm, on ``irreps`` features."""
+    """Attention (+ density) -> gate -> self-interaction -> residual -> layer norm, on ``irreps`` features."""
 
-    def __init__(self, irreps: o3.Irreps, irreps_key: o3.Irreps, max_radius: float, **attention_kwargs) -> None:
+    def __init__(
+        self,
+        irreps: o3.Irreps,
+        irreps_key: o3.Irreps,
+        max_radius: float,
+        *,
+        density_channels: int = 0,
+        avg_num_neighbors: float = 1.0,
+        layer_norm: str = "post",
+        **attention_kwargs,
+    ) -> None:
         super().__init__()
         self.gate = Gate(irreps)
         self.attention = EquivariantAttention(
             irreps, irreps_key, irreps_key, self.gate.irreps_in, max_radius, **attention_kwargs
         )
+        self.density = self.density_mix = None
+        if density_channels:
+            radial = {k: v for k, v in attention_kwargs.items() if k in ("number_of_basis", "radial_neurons", "basis")}
+            self.density = NeighbourDensity(
+                irreps, density_channels, max_radius, avg_num_neighbors=avg_num_neighbors, **radial
+            )
+            self.density_mix = torch.nn.Sequential(
+                torch.nn.Linear(density_channels, density_channels),
+                torch.nn.SiLU(),
+                IrrepsLinear(f"{density_channels}x0e", self.gate.irreps_in),
+            )
         self.self_interaction = IrrepsLinear(irreps, irreps)
-        self.norm = EquivariantLayerNorm(irreps)
+        self.norm = EquivariantLayerNorm(irreps) if layer_norm != "none" else None
+        self.pre_norm = layer_norm == "pre"
 
     def forward(self, h, pos, edge_index, edge_vec):
-        update = self.attention(h, pos, edge_index, edge_vec=edge_vec)
-        return self.norm(h + self.self_interaction(self.gate(update)))
+        x = self.norm(h) if self.pre_norm else h
+        update = self.attention(x, pos, edge_index, edge_vec=edge_vec)
+        if self.density is not None:
+            update = update + self.density_mix(self.density(x, edge_index, edge_vec))
+        h = h + self.self_interaction(self.gate(update))
+        return self.norm(h) if self.norm is not None and not self.pre_norm else h
 
 
 class EquivariantTransformer(torch.nn.Module):
@@ -62,6 +90,23 @@ class EquivariantTransformer(torch.nn.Module):
     itself, so every layer has a residual connection. Odd outputs (e.g. ``0o``) need odd
     irreps in ``irreps_hidden`` (e.g. ``0o`` and ``1e``) to be reachable.
 
+    The attention weights sum to one over the neighbours, and the layer norm rescales every
+    node: neither tells a node how many neighbours it has or how close they are in total,
+    which is what embedded-atom energies are built from. With ``density_channels`` :math:`K > 0`
+    every block adds, next to the attention, :math:`K` learned neighbour densities
+    :math:`\rho^{(t)}_i` (:class:`~e3attn.models.NeighbourDensity`, unnormalised cutoff-weighted
+    sums over the neighbours) through a one-hidden-layer MLP into the gate's scalar inputs,
+
+    .. math::
+
+        h^{(t+1)}_i = \mathrm{LN}\!\left(h^{(t)}_i + W^{(t)}\,
+            \mathrm{Gate}\!\left(\mathrm{Attn}^{(t)}(h^{(t)}, \vec x)_i
+            + W_\rho^{(t)}\, \mathrm{silu}\big(A^{(t)} \rho^{(t)}_i + b^{(t)}\big)\right)\right)
+
+    and ``layer_norm`` moves or drops :math:`\mathrm{LN}`. The attention itself is unchanged
+    (``sqrt_alpha`` aggregation). The defaults (no density, layer norm) are the model of
+    e3attn 0.1, so checkpoints written without these options load as they were saved.
+
     The graph is built once per call (the radius graph of ``pos`` in each graph of
     ``batch``) unless ``edge_index`` (and for periodic systems ``edge_vec``, see
     :func:`~e3attn.radius_graph_pbc` and :func:`~e3attn.models.edge_vectors`) is given.
@@ -80,6 +125,13 @@ class EquivariantTransformer(torch.nn.Module):
         irreps_node_attr: irreps of the optional node attributes (``None``: none).
         reduce: ``None`` (per-node outputs), ``"sum"`` or ``"mean"`` over each graph of ``batch``
             (a graph index without nodes pools to zeros).
+        density_channels: neighbour densities :math:`K` per block (0: none, attention only).
+        avg_num_neighbors: normalisation of the density sums (about the mean number of neighbours).
+        basis: radial basis of the edge lengths, see :class:`~e3attn.radial.RadialEmbedding`.
+        layer_norm: where the equivariant layer norm goes: ``"post"`` (after every block's residual
+            sum, as above), ``"pre"`` (on every block's input, :math:`h^{(t+1)} = h^{(t)} +
+            W^{(t)}\,\mathrm{Gate}(\mathrm{Attn}^{(t)}(\mathrm{LN}(h^{(t)})))`: the residual stream, and
+            the output, keep their magnitude) or ``"none"``.
 
     Shapes:
         ``pos [N, 3]``, ``x [N, irreps_in.dim]``, ``node_attr [N, irreps_node_attr.dim]``,
@@ -111,6 +163,10 @@ class EquivariantTransformer(torch.nn.Module):
         irreps_key: Optional[IrrepsLike] = None,
         irreps_node_attr: Optional[IrrepsLike] = None,
         reduce: Optional[str] = None,
+        density_channels: int = 0,
+        avg_num_neighbors: float = 1.0,
+        layer_norm: str = "post",
+        basis: str = "smooth_finite",
     ) -> None:
         super().__init__()
         self.irreps_in = as_irreps(irreps_in, "irreps_in")
@@ -123,6 +179,12 @@ class EquivariantTransformer(torch.nn.Module):
         radial_neurons = check_int(radial_neurons, "radial_neurons", 1)
         if reduce not in REDUCTIONS:
             raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
+        if isinstance(density_channels, bool) or not isinstance(density_channels, int) or density_channels < 0:
+            raise ValueError(f"density_channels must be a non-negative int, got {density_channels!r}")
+        if not (isinstance(avg_num_neighbors, (int, float)) and avg_num_neighbors > 0):
+            raise ValueError(f"avg_num_neighbors must be a positive number, got {avg_num_neighbors!r}")
+        if layer_norm not in LAYER_NORMS:
+            raise ValueError(f"layer_norm must be one of {LAYER_NORMS}, got {layer_norm!r}")
         split_heads(self.irreps_hidden, num_heads, "irreps_hidden")
         split_heads(self.irreps_key, num_heads, "irreps_key")
         self.reduce = reduce
@@ -131,7 +193,8 @@ class EquivariantTransformer(torch.nn.Module):
         self.layers = torch.nn.ModuleList(
             _Block(
                 self.irreps_hidden, self.irreps_key, max_radius, num_heads=num_heads, lmax=lmax,
-                number_of_basis=number_of_basis, radial_neurons=radial_neurons,
+                number_of_basis=number_of_basis, radial_neurons=radial_neurons, basis=basis,
+                density_channels=density_channels, avg_num_neighbors=avg_num_neighbors, layer_norm=layer_norm,
             )
             for _ in range(num_layers)
         )
@@ -142,6 +205,8 @@ class EquivariantTransformer(torch.nn.Module):
             max_radius=self.max_radius, num_layers=num_layers, num_heads=num_heads, lmax=lmax,
             number_of_basis=number_of_basis, radial_neurons=radial_neurons, irreps_key=str(self.irreps_key),
             irreps_node_attr=None if self.irreps_node_attr is None else str(self.irreps_node_attr), reduce=reduce,
+            density_channels=density_channels, avg_num_neighbors=float(avg_num_neighbors), layer_norm=layer_norm,
+            basis=basis,
         )
 
     def extra_repr(self) -> str:

@@ -1,0 +1,225 @@
+r"""Accuracy at equal time: e3attn's model and a NequIP-style peer trained on the same EMT data.
+
+Both models are trained on the structures, split, loss, optimiser, schedule and time budget of
+``examples/molecules.py`` (its functions do the data, the training loop and the evaluation), one
+after the other in one process, and evaluated on the same held-out structures:
+
+* ``e3attn``: ``examples/molecules.py``'s model with its defaults (or the options after ``--``);
+* ``nequip``: a NequIP-style interatomic potential written here with e3nn (Batzner et al. 2022):
+  per layer a self-interaction, a ``uvu`` tensor product of the neighbours' features with the
+  spherical harmonics of the edge, weighted by an MLP of a Bessel basis times a polynomial
+  cutoff, **summed** over the neighbours (divided by a constant), a linear map, a species-dependent
+  self-connection and a gate; a two-layer readout gives the energy of every atom.
+
+Prints a table and writes JSON (``--out``, default ``benchmarks/results/accuracy.json``) with the
+energy MAE (meV/atom), force MAE (meV/A), parameters, epochs and training time of each model.
+
+Usage::
+
+    OMP_NUM_THREADS=1 python benchmarks/accuracy.py --time-budget 240
+    OMP_NUM_THREADS=1 python benchmarks/accuracy.py --time-budget 240 -- --hidden "32x0e + 16x1o"
+    python benchmarks/accuracy.py --quick      # seconds: tiny data and models (the test suite's smoke run)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+import torch
+from e3nn import nn, o3
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+import molecules  # noqa: E402  (examples/molecules.py: data, training loop, evaluation)
+
+MODELS = ("e3attn", "nequip")
+
+
+def bessel_basis(r: torch.Tensor, max_radius: float, number: int, p: int = 6) -> torch.Tensor:
+    r"""NequIP's radial basis: :math:`\sqrt{2/r_c}\,\sin(n\pi r/r_c)/r` times the polynomial cutoff :math:`f_p(r/r_c)`."""
+    n = torch.arange(1, number + 1, dtype=r.dtype, device=r.device)
+    x = (r / max_radius)[:, None]
+    bessel = math.sqrt(2.0 / max_radius) * (math.pi / max_radius) * n * torch.sinc(n * x)  # sin(n pi x) / r
+    d = x.clamp(max=1.0)
+    envelope = 1 - (p + 1) * (p + 2) / 2 * d**p + p * (p + 2) * d ** (p + 1) - p * (p + 1) / 2 * d ** (p + 2)
+    return bessel * envelope * (x < 1)
+
+
+class Interaction(torch.nn.Module):
+    """One NequIP layer: linear, edge convolution (sum over the neighbours), linear, self-connection, gate."""
+
+    def __init__(self, irreps_in: o3.Irreps, irreps_hidden: o3.Irreps, irreps_attr: o3.Irreps, lmax: int,
+                 num_basis: int, radial_neurons: int, avg_num_neighbors: float) -> None:
+        super().__init__()
+        self.irreps_sh = o3.Irreps.spherical_harmonics(lmax)
+        scalars = o3.Irreps([(mul, ir) for mul, ir in irreps_hidden if ir.l == 0])
+        gated = o3.Irreps([(mul, ir) for mul, ir in irreps_hidden if ir.l > 0])
+        gates = o3.Irreps(f"{gated.num_irreps}x0e") if gated.num_irreps else o3.Irreps("")
+        acts = [torch.nn.functional.silu if ir.p == 1 else torch.tanh for _, ir in scalars]
+        self.gate = nn.Gate(scalars, acts, gates, [torch.sigmoid] * len(gates), gated)
+        irreps_mid, instructions = [], []
+        for i, (mul, ir_in) in enumerate(irreps_in):
+            for j, (_, ir_sh) in enumerate(self.irreps_sh):
+                for ir_out in ir_in * ir_sh:
+                    if ir_out in self.gate.irreps_in:
+                        instructions.append((i, j, len(irreps_mid), "uvu", True))
+                        irreps_mid.append((mul, ir_out))
+        self.linear_in = o3.Linear(irreps_in, irreps_in)
+        self.tp = o3.TensorProduct(irreps_in, self.irreps_sh, o3.Irreps(irreps_mid), instructions,
+                                   shared_weights=False, internal_weights=False)
+        self.radial = nn.FullyConnectedNet([num_basis, radial_neurons, radial_neurons, self.tp.weight_numel],
+                                           torch.nn.functional.silu)
+        self.linear_out = o3.Linear(o3.Irreps(irreps_mid).simplify(), self.gate.irreps_in)
+        self.self_connection = o3.FullyConnectedTensorProduct(irreps_in, irreps_attr, self.gate.irreps_in)
+        self.num_basis, self.avg_num_neighbors = num_basis, avg_num_neighbors
+        self.residual = irreps_in == self.gate.irreps_out
+
+    def forward(self, h, attr, edge_index, edge_vec, max_radius):
+        src, dst = edge_index
+        r = edge_vec.norm(dim=1)
+        weights = self.radial(bessel_basis(r, max_radius, self.num_basis))
+        sh = o3.spherical_harmonics(self.irreps_sh, edge_vec, normalize=True, normalization="component")
+        messages = self.tp(self.linear_in(h)[src], sh, weights)
+        aggregated = torch.zeros(h.shape[0], messages.shape[1], dtype=h.dtype, device=h.device)
+        aggregated = aggregated.index_add(0, dst, messages) / math.sqrt(self.avg_num_neighbors)
+        out = self.gate(self.linear_out(aggregated) + self.self_connection(h, attr))
+        return h + out if self.residual else out
+
+
+class NequIPStyle(torch.nn.Module):
+    r"""A NequIP-style energy model, called like :class:`~e3attn.models.EquivariantTransformer` with ``reduce="sum"``.
+
+    .. math::
+
+        h^{(0)}_i = W a_i, \qquad
+        h^{(t+1)}_i = \mathrm{Gate}\Big(W_2 \frac{1}{\sqrt{\nu}} \sum_{j} R(r_{ij}) \big(W_1 h^{(t)}_j \otimes Y(\hat r_{ij})\big)
+            + h^{(t)}_i \otimes a_i\Big) \,(+\, h^{(t)}_i), \qquad
+        E = \sum_i \mathrm{MLP}(h^{(T), 0e}_i)
+    """
+
+    def __init__(self, num_species: int, irreps_hidden: str, max_radius: float, *, num_layers: int = 3,
+                 lmax: int = 2, num_basis: int = 8, radial_neurons: int = 32, avg_num_neighbors: float = 10.0) -> None:
+        super().__init__()
+        self.max_radius = max_radius
+        self.irreps_attr = o3.Irreps(f"{num_species}x0e")
+        irreps_hidden = o3.Irreps(irreps_hidden)
+        self.embedding = o3.Linear(self.irreps_attr, o3.Irreps([(m, ir) for m, ir in irreps_hidden if ir.l == 0]))
+        layers, irreps = [], self.embedding.irreps_out
+        for _ in range(num_layers):
+            layers.append(Interaction(irreps, irreps_hidden, self.irreps_attr, lmax, num_basis, radial_neurons,
+                                      avg_num_neighbors))
+            irreps = layers[-1].gate.irreps_out
+        self.layers = torch.nn.ModuleList(layers)
+        readout = f"{max(irreps.count('0e') // 2, 1)}x0e"
+        self.readout = torch.nn.Sequential(o3.Linear(irreps, readout), torch.nn.SiLU(), o3.Linear(readout, "0e"))
+
+    def forward(self, pos, x=None, batch=None, edge_index=None, edge_vec=None, *, node_attr=None):
+        if edge_vec is None:
+            edge_vec = pos[edge_index[0]] - pos[edge_index[1]]
+        h = self.embedding(node_attr)
+        for layer in self.layers:
+            h = layer(h, node_attr, edge_index, edge_vec, self.max_radius)
+        energy = self.readout(h)[:, 0]
+        batch = torch.zeros_like(energy, dtype=torch.long) if batch is None else batch
+        num_graphs = int(batch.max()) + 1 if batch.numel() else 0
+        return energy.new_zeros(num_graphs).index_add(0, batch, energy)
+
+
+def cpu_name() -> str:
+    """The processor's model name (Linux), or the platform's machine type."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine()
+
+
+def build(name: str, args) -> torch.nn.Module:
+    """The model ``name`` for the options ``args``."""
+    if name == "e3attn":
+        return molecules.build_model(args)
+    return NequIPStyle(len(molecules.SPECIES), args.peer_hidden, args.max_radius, num_layers=args.peer_layers,
+                       lmax=args.peer_lmax, avg_num_neighbors=args.avg_num_neighbors)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own, passed = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    p.add_argument("--time-budget", type=float, default=240.0, help="training seconds per model")
+    p.add_argument("--epochs", type=int, default=1000, help="at most this many epochs per model")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    p.add_argument("--peer-hidden", default="32x0e + 16x1o + 8x2e", help="hidden irreps of the NequIP-style peer")
+    p.add_argument("--peer-layers", type=int, default=2)
+    p.add_argument("--peer-lmax", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="tiny data, models and budget (seconds; for the tests)")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "accuracy.json")
+    args = p.parse_args(own)
+    options = ["--device", "cpu", "--quiet", "--epochs", str(args.epochs), "--time-budget", str(args.time_budget)]
+    if args.quick:
+        options += ["--smoke"]
+        args.peer_hidden, args.peer_layers = "4x0e + 2x1o", 1
+    args.train_args = molecules.parse_args(options + passed)
+    if args.quick:
+        args.train_args.hidden = "4x0e + 4x1o"
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    train_args = args.train_args
+    def samples(num: int, seed: int) -> list:
+        return [molecules.to_sample(a, train_args.max_radius) for a in molecules.make_structures(num, seed)]
+
+    train_set, test_set = samples(train_args.train, train_args.seed), samples(train_args.test, train_args.seed + 10_000)
+    units = molecules.fit_references(train_set)
+    args.avg_num_neighbors = train_args.avg_num_neighbors
+    args.max_radius = train_args.max_radius
+    rows: List[dict] = []
+    for name in args.models:
+        torch.manual_seed(train_args.seed)
+        model = build(name, train_args if name == "e3attn" else args)
+        losses, seconds = molecules.fit(model, train_set, units, train_args, torch.device("cpu"))
+        result = molecules.evaluate(model, test_set, units, torch.device("cpu"))
+        rows.append({
+            "model": name,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "epochs": len(losses),
+            "train_seconds": seconds,
+            "energy_mae_meV_per_atom": result["energy_mae_meV_per_atom"],
+            "force_mae_meV_per_A": result["force_mae_meV_per_A"],
+            "final_train_loss": losses[-1],
+        })
+        r = rows[-1]
+        print(f"{name:8s} {r['parameters']:8d} params {r['epochs']:4d} epochs {seconds:7.1f} s   "
+              f"energy MAE {r['energy_mae_meV_per_atom']:.1f} meV/atom, force MAE {r['force_mae_meV_per_A']:.1f} meV/A",
+              flush=True)
+    report = {
+        "meta": {
+            "machine": cpu_name(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "threads": args.threads,
+            "time_budget_s": train_args.time_budget,
+            "num_train": len(train_set),
+            "num_test": len(test_set),
+            "e3attn_options": {k: v for k, v in vars(train_args).items() if isinstance(v, (int, float, str, bool, type(None)))},
+            "peer": {"hidden": args.peer_hidden, "layers": args.peer_layers, "lmax": args.peer_lmax},
+        },
+        "results": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+import math
+
+import pytest
+import torch
+
+from e3attn.graph import radius_graph
+from e3attn.models import EquivariantTransformer, NeighbourDensity, energy_and_forces
+from e3attn.models.checkpoint import load_checkpoint, save_checkpoint
+from e3attn.radial import soft_unit_step
+from e3attn.testing import assert_equivariant, assert_smooth_cutoff
+
+IRREPS = "4x0e + 2x0o + 2x1o + 2x1e"
+HIDDEN = "4x0e + 2x0o + 2x1o + 2x1e + 2x2e"
+MAX_RADIUS = 1.6
+
+
+def make_density(seed=0, **kwargs):
+    torch.manual_seed(seed)
+    return NeighbourDensity(IRREPS, 5, MAX_RADIUS, **kwargs).double()
+
+
+def cluster(n=7, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    pos = 1.6 * torch.rand(n, 3, generator=gen, dtype=torch.float64)
+    f = torch.randn(n, 18, generator=gen, dtype=torch.float64)
+    return pos, f
+
+
+def density_of(density, pos, f):
+    edge_index = radius_graph(pos, density.max_radius)
+    return density(f, edge_index, pos[edge_index[0]] - pos[edge_index[1]])
+
+
+# ---------------------------------------------------------------- the module
+
+
+def test_density_equals_loop_over_neighbours():
+    density = make_density(avg_num_neighbors=2.5)
+    pos, f = cluster()
+    scalars = f[:, :4]  # the 4x0e of IRREPS; the other irreps must not enter
+    w_s = density.source.weight.reshape(4, 5) / 2.0  # IrrepsLinear normalisation 1/sqrt(fan-in)
+    expected = torch.zeros(pos.shape[0], 5, dtype=torch.float64)
+    for i in range(pos.shape[0]):
+        for j in range(pos.shape[0]):
+            r = (pos[j] - pos[i]).norm()
+            if j == i or r >= MAX_RADIUS:
+                continue
+            (radial,) = density.radial(density.embedding(r[None]))
+            c = soft_unit_step(10.0 * (1.0 - r / MAX_RADIUS))
+            expected[i] += c * radial[0] * (scalars[j] @ w_s) / 2.5
+    out = density_of(density, pos, f)
+    assert expected.abs().max() > 1e-2
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+
+
+def test_density_grows_with_the_number_of_neighbours():
+    # k identical neighbours at one distance: k times one neighbour's density (attention would give the same
+    # output for every k, its weights summing to one)
+    density = make_density()
+    f = torch.zeros(9, 18, dtype=torch.float64)
+    f[:, :4] = torch.tensor([0.3, -1.0, 0.5, 2.0], dtype=torch.float64)
+    directions = torch.eye(3, dtype=torch.float64).repeat(3, 1)[:8] * torch.tensor([1.0, -1.0]).repeat_interleave(4)[:, None]
+    for k in (1, 2, 4, 8):
+        pos = torch.cat([torch.zeros(1, 3, dtype=torch.float64), 1.1 * directions[:k]])
+        edge_index = torch.stack([torch.arange(1, k + 1), torch.zeros(k, dtype=torch.long)])
+        rho = density(f[: k + 1], edge_index, pos[edge_index[0]] - pos[edge_index[1]])
+        if k == 1:
+            single = rho[0]
+            assert single.abs().max() > 1e-2
+        torch.testing.assert_close(rho[0], k * single, atol=1e-12, rtol=0)
+
+
+def test_density_o3_invariant():
+    density = make_density()
+    pos, f = cluster()
+    err = assert_equivariant(
+        lambda pos, f: density_of(density, pos, f), [pos, f], ["cartesian_points", IRREPS], ["5x0e"], ntrials=3
+    )
+    assert err <= 1e-10
+
+
+def test_density_smooth_at_the_cutoff():
+    density = make_density()
+    pos, f = cluster(n=4)
+    pos[1:3] = pos[0] + torch.tensor([[0.5, 0.2, 0.1], [-0.3, 0.6, 0.2]], dtype=torch.float64)
+    assert_smooth_cutoff(lambda pos: density_of(density, pos, f), pos, max_radius=MAX_RADIUS)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, match",
+    [
+        (("2x1o", 4, 1.0), {}, "irreps_in must hold even scalars"),
+        ((IRREPS, 0, 1.0), {}, "num_channels must be a positive int"),
+        ((IRREPS, 4, 1.0), dict(avg_num_neighbors=0.0), "avg_num_neighbors must be a positive number"),
+    ],
+)
+def test_density_rejects_bad_configuration(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        NeighbourDensity(*args, **kwargs)
+
+
+# ---------------------------------------------------------------- in the transformer
+
+
+def make_model(seed=0, **kwargs):
+    torch.manual_seed(seed)
+    return EquivariantTransformer(
+        "1x0e", HIDDEN, "1x0e + 1x1o", MAX_RADIUS, num_layers=2, num_heads=2, irreps_node_attr="3x0e", **kwargs
+    ).double()
+
+
+VARIANTS = [
+    dict(density_channels=4), dict(layer_norm="pre"), dict(layer_norm="none"),
+    dict(density_channels=3, layer_norm="pre", basis="bessel"), dict(density_channels=3, basis="gaussian"),
+]  # their smoothness at the cutoff: tests/test_models.py::test_neighbour_fades_out_smoothly_at_the_cutoff
+
+
+@pytest.mark.parametrize("options", VARIANTS)
+def test_transformer_options_o3_equivariant(options):
+    model = make_model(**options, avg_num_neighbors=3.0)
+    pos, _ = cluster(n=9)
+    attr = torch.nn.functional.one_hot(torch.arange(9) % 3, 3).double()
+    out = model(pos, node_attr=attr)
+    assert out[:, 0].abs().max() > 1e-2 and out[:, 1:].abs().max() > 1e-3  # the test is not 0 == 0
+    err = assert_equivariant(
+        lambda pos: model(pos, node_attr=attr), [pos], ["cartesian_points"], [model.irreps_out], ntrials=2
+    )
+    assert err <= 1e-10
+
+
+def test_density_enters_the_energy_and_forces():
+    torch.manual_seed(0)
+    model = EquivariantTransformer(
+        "1x0e", HIDDEN, "0e", MAX_RADIUS, num_layers=2, irreps_node_attr="3x0e", reduce="sum", density_channels=4
+    ).double()
+    pos, _ = cluster(n=9)
+    attr = torch.nn.functional.one_hot(torch.arange(9) % 3, 3).double()
+    energy, forces = energy_and_forces(model, pos, node_attr=attr, create_graph=True)
+    (energy.sum() + forces.pow(2).sum()).backward()
+    for block in model.layers:
+        assert all(p.grad.abs().max() > 0 for p in block.density.parameters())
+    with torch.no_grad():
+        for block in model.layers:
+            block.density_mix[-1].weight.zero_()
+    without, _ = energy_and_forces(model, pos, node_attr=attr)
+    assert (without - energy).abs().max() > 1e-3
+
+
+def test_defaults_are_the_old_model():
+    # the new options default to the model without them: same parameters, same outputs
+    old_names = {"embedding.weight", "output.weight"}
+    model = make_model()
+    assert model.config["density_channels"] == 0 and model.config["layer_norm"] == "post"
+    assert all(block.density is None and block.norm is not None and not block.pre_norm for block in model.layers)
+    assert old_names <= set(model.state_dict())
+    assert not any("density" in name for name in model.state_dict())
+
+
+def test_checkpoint_without_the_new_options_loads_as_the_old_model(tmp_path):
+    model = make_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    save_checkpoint(model, tmp_path / "model.pt")
+    checkpoint = torch.load(tmp_path / "model.pt", weights_only=True)
+    for key in ("density_channels", "avg_num_neighbors", "layer_norm", "basis"):  # as written by e3attn 0.1.0
+        del checkpoint["config"][key]
+    torch.save(checkpoint, tmp_path / "old.pt")
+    loaded, _ = load_checkpoint(tmp_path / "old.pt")
+    pos, _ = cluster(n=9)
+    attr = torch.nn.functional.one_hot(torch.arange(9) % 3, 3).double()
+    assert loaded.config == model.config
+    assert torch.equal(loaded(pos, node_attr=attr), model(pos, node_attr=attr))
+
+
+def test_density_checkpoint_round_trip(tmp_path):
+    model = make_model(density_channels=4, avg_num_neighbors=3.0, layer_norm="pre")
+    save_checkpoint(model, tmp_path / "model.pt")
+    loaded, _ = load_checkpoint(tmp_path / "model.pt")
+    pos, _ = cluster(n=9)
+    attr = torch.nn.functional.one_hot(torch.arange(9) % 3, 3).double()
+    assert loaded.config == model.config
+    assert torch.equal(loaded(pos, node_attr=attr), model(pos, node_attr=attr))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(density_channels=-1), "density_channels must be a non-negative int"),
+        (dict(density_channels=True), "density_channels must be a non-negative int"),
+        (dict(density_channels=2, avg_num_neighbors=-1.0), "avg_num_neighbors must be a positive number"),
+        (dict(layer_norm=False), "layer_norm must be one of"),
+    ],
+)
+def test_transformer_rejects_bad_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make_model(**kwargs)
+
