@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import math
 from numbers import Integral, Real
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
 
 from e3attn._cells import ragged_arange, squared_norm
 from e3attn._checks import check_batch, check_pos
+from e3attn._edges import (_arrays, _cast, _check_num_neighbors, _csr_edges, _graph_index, _graph_labels, _int64,
+                           _margin, _on_host, _settle, _shift_vectors, _shorter_than, _tensor, _without)
 from e3attn._search import default_backend, half_pairs, periodic_half_pairs
 
 __all__ = ["radius_graph", "radius_graph_pbc", "complete_graph"]
@@ -85,204 +87,6 @@ def _check_spread(pos, r: float) -> float:
             "neighbour search would overflow float64"
         )
     return largest
-
-
-def _graph_index(batch: Optional[torch.Tensor], pos: torch.Tensor) -> Optional[torch.Tensor]:
-    check_batch(batch, pos.shape[0])
-    if batch is None:
-        return None
-    if batch.device != pos.device:
-        raise ValueError(f"batch must be on the device of pos ({pos.device}), got {batch.device}")
-    return batch.long()
-
-
-def _margin(dtype: torch.dtype) -> float:
-    """The relative rounding of a squared distance in ``dtype`` (a few units of its last place), generously."""
-    return max(1e-4, 64 * torch.finfo(dtype).eps)
-
-
-# ---------------------------------------------------------------- arrays: NumPy on the CPU, torch elsewhere
-# On the CPU the graph is assembled with NumPy: single-threaded and light per operation, beside vesin's
-# own threads (torch's OpenMP regions stall when other processes keep the cores busy). The functions
-# below take NumPy arrays or torch tensors alike.
-
-
-def _on_host(pos: torch.Tensor) -> bool:
-    """Whether the graph of ``pos`` is assembled with NumPy (CPU; NumPy has no bfloat16)."""
-    return pos.device.type == "cpu" and pos.dtype != torch.bfloat16
-
-
-def _arrays(host: bool, *tensors: Optional[torch.Tensor]) -> list:
-    """``tensors`` as NumPy arrays (zero copy) when ``host``, else unchanged; ``None`` stays ``None``."""
-    return [t.numpy() if host and t is not None else t for t in tensors]
-
-
-def _tensor(array) -> torch.Tensor:
-    return torch.from_numpy(array) if isinstance(array, np.ndarray) else array
-
-
-def _graph_labels(batch: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The distinct graph labels of ``batch``, sorted, and every point's graph ``0, 1, ...``."""
-    if batch.device.type != "cpu":
-        return torch.unique(batch, return_inverse=True)
-    labels, graph = np.unique(batch.numpy(), return_inverse=True)
-    return torch.from_numpy(labels), torch.from_numpy(graph.reshape(-1))
-
-
-def _nonzero(mask):
-    """The indices of the true entries of a 1-D mask."""
-    return np.flatnonzero(mask) if isinstance(mask, np.ndarray) else mask.nonzero().squeeze(1)
-
-
-def _arange(like, start: int, stop: int):
-    if isinstance(like, np.ndarray):
-        return np.arange(start, stop)
-    return torch.arange(start, stop, device=like.device)
-
-
-def _int64(values):
-    return values.astype(np.int64) if isinstance(values, np.ndarray) else values.long()
-
-
-def _cast(values, like):
-    """``values`` in the dtype of ``like`` (themselves when they have it)."""
-    return values.astype(like.dtype, copy=False) if isinstance(values, np.ndarray) else values.to(like.dtype)
-
-
-def _settle(distances, sure_below: float, exact):
-    """The candidate pairs that are not edges, as indices: ``exact(index)`` tests the pairs ``index``
-    (all when ``None``); with the search's float64 ``distances`` only those not ``sure_below`` the
-    cutoff need it."""
-    if distances is None:
-        return _nonzero(~exact(None))
-    unsure = _nonzero(distances >= sure_below)
-    return unsure[~exact(unsure)] if len(unsure) else unsure
-
-
-def _without(rows: list, drop) -> list:
-    """``rows`` (arrays of equal length) without the entries ``drop`` (sorted indices), in place and in
-    any order: the last entries move into the holes, O(len(drop))."""
-    if len(drop) == 0:
-        return rows
-    length = rows[0].shape[0]
-    kept = length - len(drop)
-    tail = _arange(drop, kept, length)
-    fillers = tail[~(np if isinstance(drop, np.ndarray) else torch).isin(tail, drop)]
-    holes = drop[drop < kept]
-    for row in rows:
-        row[holes] = row[fillers]
-    return [row[:kept] for row in rows]
-
-
-def _shorter_than(pos, pairs, r: float):
-    """The exact test of every row ``(i, j)`` of ``pairs``: ``|pos[i] - pos[j]|^2 < r^2`` in ``pos.dtype``."""
-    ends = pos[pairs.reshape(-1)].reshape(-1, 2, 3)
-    return squared_norm(ends[:, 0] - ends[:, 1]) < r * r
-
-
-def _shift_vectors(shift, cell, pair_graph):
-    """``shift @ cell`` of every pair in the dtype of ``cell`` (``[1, 3, 3]`` shared, else ``[B, 3, 3]``
-    indexed by ``pair_graph``), summed in the order of the lattice vectors."""
-    shift = _cast(shift, cell)
-    if cell.shape[0] == 1:
-        a, b, c = cell[0]
-    else:
-        rows = cell[pair_graph]
-        a, b, c = rows[:, 0], rows[:, 1], rows[:, 2]
-    return shift[:, 0:1] * a + shift[:, 1:2] * b + shift[:, 2:3] * c
-
-
-def _lexsort(columns: List[torch.Tensor]) -> torch.Tensor:
-    """Permutation sorting rows by ``columns[0]``, ties broken by ``columns[1]``, ... (stable passes)."""
-    order = torch.arange(columns[0].numel(), device=columns[0].device)
-    for column in reversed(columns):
-        order = order[torch.sort(column[order], stable=True).indices]
-    return order
-
-
-def _csr_edges(i, j, shift, num_nodes: int, loop: bool, dtype: torch.dtype = torch.float64):
-    """The edges ``j -> i`` (shift ``S``) and ``i -> j`` (shift ``-S``) of every pair of a half list,
-    and the self-loops, as ``[2, E]`` sorted by ``dst``, then ``src``, then shift, with the ``[E, 3]``
-    shifts in ``dtype`` (``None`` without ``shift``); NumPy arrays or torch tensors, as the input.
-
-    Every edge is packed into one int64 key ``(dst << b | src) << c | code(S)``, where ``code``
-    numbers the shifts :math:`S \\in [-m, m]^3` lexicographically, and the keys are sorted by value
-    in the output's own memory (NumPy's SIMD sort on CPU): no argsort, no payload. A table of all
-    :math:`(2m+1)^3` shifts decodes the codes; large shifts (:math:`m > 50`) fall back to stable sorts
-    by column.
-    """
-    host = isinstance(i, np.ndarray)
-    num_pairs, bits = len(i), max(1, (num_nodes - 1).bit_length())
-    reach = int(max(-shift.min(), shift.max())) if shift is not None and num_pairs > 0 else 0
-    width = 2 * reach + 1
-    code_bits = (width**3 - 1).bit_length()
-    if shift is not None and (reach > 50 or 2 * bits + code_bits > 63):
-        return _lexsorted_edges(*(_tensor(t) for t in (i, j, shift)), dtype)
-    size = (2, 2 * num_pairs + (num_nodes if loop else 0))
-    edge_index = np.empty(size, np.int64) if host else torch.empty(size, dtype=torch.long, device=i.device)
-    # every step in place, in the output's memory (row 1: the keys; row 0: scratch, then the sources):
-    # no temporary arrays, whose fresh pages cost as much as the arithmetic
-    keys, scratch = edge_index[1], edge_index[0]
-    forward, backward = keys[:num_pairs], keys[num_pairs : 2 * num_pairs]
-    forward[:] = i
-    forward <<= bits
-    forward |= j
-    backward[:] = j
-    backward <<= bits
-    backward |= i
-    if code_bits:
-        code = scratch[:num_pairs]
-        code[:] = shift[:, 0]
-        for k in (1, 2):
-            code += reach
-            code *= width
-            code += shift[:, k]
-        code += reach
-        forward <<= code_bits
-        forward |= code
-        backward <<= code_bits
-        code -= width**3 - 1
-        backward -= code  # the code of -S, every component mirrored: width**3 - 1 - code
-    if loop:  # open graphs only: no code bits
-        nodes = keys[2 * num_pairs :]
-        nodes[:] = _arange(keys, 0, num_nodes)
-        nodes |= nodes << bits
-    if host:
-        keys.sort()
-    else:
-        keys.copy_(torch.sort(keys).values)
-    shifts = None
-    if shift is not None:
-        every_shift = torch.arange(-reach, reach + 1, dtype=dtype, device="cpu" if host else keys.device)
-        table = torch.cartesian_prod(every_shift, every_shift, every_shift).reshape(-1, 3)  # in code order
-        scratch[:] = keys
-        scratch &= (1 << code_bits) - 1
-        shifts = np.take(table.numpy(), scratch, axis=0) if host else table.index_select(0, scratch)
-    scratch[:] = keys
-    scratch >>= code_bits
-    scratch &= (1 << bits) - 1
-    keys >>= bits + code_bits
-    return edge_index, shifts
-
-
-def _lexsorted_edges(i, j, shift, dtype):
-    """:func:`_csr_edges` without self-loops for large shifts: stable sorts by column."""
-    shift = shift.long()
-    dst, src, shift = torch.cat([i, j]), torch.cat([j, i]), torch.cat([shift, -shift])
-    order = _lexsort([dst, src, shift[:, 0], shift[:, 1], shift[:, 2]])
-    return torch.stack([src[order], dst[order]]), shift[order].to(dtype)
-
-
-def _check_num_neighbors(dst: torch.Tensor, num_nodes: int, max_num_neighbors: Optional[int]) -> None:
-    if max_num_neighbors is None or dst.numel() == 0:
-        return
-    degree = torch.bincount(dst, minlength=num_nodes)
-    node = int(degree.argmax())
-    if int(degree[node]) > max_num_neighbors:
-        raise ValueError(
-            f"node {node} has {int(degree[node])} incoming edges within r_max, more than "
-            f"max_num_neighbors={max_num_neighbors}; raise the cap or pass None (no cap)"
-        )
 
 
 def _radius_graph(
