@@ -11,7 +11,8 @@ from e3attn import kernels
 from e3attn.attention import EquivariantAttention
 from e3attn.kernels import ops
 from e3attn.tensor_product import SphericalTensorProduct
-from test_fast_paths import TP_CASES, _e3nn_products, _inputs
+from test_compile import _benchmark
+from test_fast_paths import TP_CASES, _inputs
 
 pytest.importorskip("numba")
 
@@ -234,21 +235,23 @@ def test_fused_operators_refuse_out_of_range_arguments():
                             zip(sizes, linear.split([h * n for h, n in zip(sizes, tp.weight_numel)]))], index=index + 5)
 
 
-def _cold_start_benchmark():
-    """benchmarks/cold_start.py as a module."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cold_start.py"
-    spec = importlib.util.spec_from_file_location("benchmark_cold_start", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+def test_kernels_benchmark_counts_the_weight_products_and_runs(tmp_path):
+    bench = _benchmark("kernels")
+    report = bench.main(["--quick", "--configs", "guide", "--out", str(tmp_path / "k.json")])
+    (row,) = report["results"]
+    # the blocks tile every output's [K, W] weights: w = h L costs 2 * hidden * weight_numel per edge and output
+    layer = EquivariantAttention(*bench.CONFIGS["guide"]["irreps"], 1.0, lmax=bench.CONFIGS["guide"]["lmax"])
+    expected = sum(2 * layer.radial.hidden * n for n in layer.tp.weight_numel)
+    assert row["flops_per_edge"]["weights_forward"] == expected
+    assert row["flops_per_edge"]["backward"] > 3 * expected
+    for key in ("forward_gflops", "backward_gflops", "peak_gflops", "blas_gflops", "floor_ms"):
+        assert row[key] > 0, key
 
 
 @pytest.mark.slow
 def test_cold_start_benchmark_smoke(tmp_path):
     """benchmarks/cold_start.py: a process with an empty numba cache compiles, a second one loads the cache."""
-    cold, warm = _cold_start_benchmark().main(["--dtypes", "float32", "--out", str(tmp_path / "c.json")])
+    cold, warm = _benchmark("cold_start").main(["--dtypes", "float32", "--out", str(tmp_path / "c.json")])
     assert (cold["start"], warm["start"]) == ("cold", "warm")
     assert cold["startup_s"] > warm["startup_s"] > 0  # compiling costs more than loading the cache
 
@@ -269,7 +272,7 @@ def test_kernel_cache_of_a_read_only_install(tmp_path):
     cache.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
     env.update(PYTHONPATH=str(site), XDG_CACHE_HOME=str(cache))
-    child = _cold_start_benchmark().CHILD + f"\nassert e3attn.__file__.startswith({str(site)!r}), e3attn.__file__\n"
+    child = _benchmark("cold_start").CHILD + f"\nassert e3attn.__file__.startswith({str(site)!r}), e3attn.__file__\n"
     command = [sys.executable, "-c", child, "float64"]
     if os.geteuid() == 0:
         mount = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"'

@@ -228,7 +228,7 @@ def _buffers(x, sh, hidden, s, tile):
 def forward(x, index, sh, hidden, lin, s, tile, gi, groups, out):
     """Group ``gi`` of ``groups`` of the tiles: the products of all outputs, concatenated, into ``out``
     ``[E, out_dim]``."""
-    num_paths, channels, max_block, max_width, max_dim_l = s[4], s[6], s[11], s[12], s[13]
+    num_paths, max_block, max_width, max_dim_l = s[4], s[11], s[12], s[13]
     tiles = (sh.shape[0] + tile - 1) // tile
     xt = np.empty((x.shape[1], tile), x.dtype)
     sht = np.empty((sh.shape[1], tile), x.dtype)

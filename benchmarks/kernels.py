@@ -1,0 +1,173 @@
+r"""The fused tensor-product kernels against the machine's arithmetic peak (a roofline in one run).
+
+For the layer of ``benchmarks/layer.py`` (configurations ``guide`` and ``large``, same graphs), this script
+times the custom operators alone on the layer's own inputs, the gathered node features, the spherical
+harmonics, the radial network's hidden features and its folded last layers:
+
+* ``forward``: ``e3attn::fused_product`` (keys and values of every edge);
+* ``backward``: ``e3attn::fused_product_backward``, all four gradients (features, harmonics, hidden
+  features, last layers);
+
+counts their floating-point operations from the product's structure (:func:`flops`: a multiply-add is 2),
+and reports GFLOP/s next to two references measured in the same process with the same thread count:
+
+* ``peak``: ``torch.mm`` of two 1024 x 1024 float32 matrices (the BLAS's best case: the machine's attainable
+  peak);
+* ``blas``: the weight product of the layer, :math:`w = h L` for all edges ``[E, hidden] @ [hidden, numel]``,
+  as one ``torch.mm``: the same arithmetic as the kernels' dominant part, in the BLAS's hands.
+
+The ``floor_ms`` column is the time the kernels would need at the ``peak`` rate: no implementation of the same
+arithmetic can beat it on this machine. Times are medians of ``--repeats`` calls after a warm-up call, the
+measurements taking turns.
+
+Usage::
+
+    python benchmarks/kernels.py --threads 1
+    python benchmarks/kernels.py --configs guide --sizes 1000 --threads 1 2
+    python benchmarks/kernels.py --quick        # tiny sizes, a smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+for path in (ROOT, ROOT / "benchmarks"):  # run from a checkout without installing
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from dense_vs_sparse import cpu_name  # noqa: E402
+from layer import CONFIGS, DEFAULTS, build  # noqa: E402
+
+from e3attn.attention import _edge_vectors  # noqa: E402
+from e3attn.kernels import ops  # noqa: E402
+from e3attn.kernels.layout import KernelLayout, layout_for  # noqa: E402
+
+
+def flops(layout: KernelLayout, hidden_sizes: Sequence[int]) -> Dict[str, int]:
+    r"""Floating-point operations per edge of the CPU kernels (:mod:`e3attn.kernels.cpu`), by counting.
+
+    Per non-zero Clebsch-Gordan coefficient, the path features cost 3 (:math:`y \mathrel{+}= c\,x\,Y`) and their
+    backward 5; per output block (:math:`K` paths, :math:`W` channels, :math:`2l+1` components, hidden size
+    :math:`H`) the weights :math:`w = h L` cost :math:`2HKW` and their contraction with :math:`y` :math:`2KW(2l+1)`.
+    The backward recomputes :math:`y` and :math:`w`, contracts :math:`w` and the output gradient into the
+    gradient of :math:`y`, forms the gradient of :math:`w` (:math:`2KW(2l+1)`) and multiplies it by :math:`L`
+    and by :math:`h` (:math:`2HKW` each). ``weights`` is the share of :math:`w = hL` and its two gradients.
+    """
+    coefficients = len(layout.path_c)
+    weights = contractions = 0
+    for output, _, k, dim_l, width, _, _ in layout.blocks:
+        weights += 2 * int(hidden_sizes[output]) * int(k) * int(width)
+        contractions += 2 * int(k) * int(width) * int(dim_l)
+    forward = 3 * coefficients + weights + contractions
+    backward = 3 * coefficients + 3 * weights + 2 * contractions + 5 * coefficients
+    return {"forward": forward, "backward": backward, "weights_forward": weights, "weights_backward": 3 * weights}
+
+
+def kernel_inputs(config: str, n: int, degree: float, seed: int):
+    """The layer's product spec and the operators' inputs for one case of ``layer.py``."""
+    models, f, pos, edge_index = build(config, n, degree, torch.device("cpu"), seed)
+    layer = models["e3attn"]
+    src, dst = edge_index
+    with torch.no_grad():
+        edge_vec = _edge_vectors(pos, src, dst)
+        hidden = layer.radial.hidden_features(layer.embedding(edge_vec.norm(dim=-1)))
+        sh = layer.sh(edge_vec)
+        linear = torch.cat([w.reshape(-1) for w in layer.radial.output_layers()])
+    sizes = [h.shape[1] for h in hidden]
+    return layer.tp._spec, (f.detach(), src, sh, torch.cat(hidden, dim=1), linear, sizes)
+
+
+def median_ms(calls: Dict[str, Callable[[], object]], repeats: int) -> Dict[str, float]:
+    """Median time of every call in ms, after a warm-up call, the calls taking turns."""
+    samples: Dict[str, List[float]] = {name: [] for name in calls}
+    for call in calls.values():
+        call()
+    for _ in range(repeats):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            samples[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(times) for name, times in samples.items()}
+
+
+def run_case(config: str, n: int, threads: int, args: argparse.Namespace) -> dict:
+    """One row: the kernels' times and rates against the peak and the BLAS on the same weight product."""
+    torch.set_num_threads(threads)
+    spec, (x, index, sh, hidden, linear, sizes) = kernel_inputs(config, n, args.degree, args.seed)
+    layout = layout_for(spec)
+    edges = sh.shape[0]
+    count = flops(layout, sizes)
+    grad = torch.randn(edges, layout.out_dim, generator=torch.Generator().manual_seed(args.seed))
+    square = torch.randn(1024, 1024)
+    # the weight product w = h L of every output, as one matrix product per output
+    parts = list(zip(hidden.split(sizes, dim=1), linear.split([h * m for h, m in zip(sizes, layout.weight_numel)])))
+    factors = [(h.contiguous(), w.reshape(h.shape[1], -1)) for h, w in parts]
+    calls = {
+        "forward": lambda: ops.fused_product(spec, 0, x, index, sh, hidden, linear, sizes),
+        "backward": lambda: ops.fused_product_backward(spec, 0, x, index, sh, hidden, linear, sizes, grad,
+                                                       [True] * 4),
+        "peak": lambda: square @ square,
+        "blas": lambda: [h @ w for h, w in factors],
+    }
+    times = median_ms(calls, args.repeats)
+    rate = {name: count[name] * edges / (times[name] * 1e6) for name in ("forward", "backward")}
+    peak = 2 * 1024**3 / (times["peak"] * 1e6)
+    blas = count["weights_forward"] * edges / (times["blas"] * 1e6)
+    row = {"config": config, "nodes": n, "edges": edges, "threads": threads, "flops_per_edge": count,
+           **{f"{k}_ms": v for k, v in times.items()}, "forward_gflops": rate["forward"],
+           "backward_gflops": rate["backward"], "peak_gflops": peak, "blas_gflops": blas,
+           "floor_ms": (count["forward"] + count["backward"]) * edges / (peak * 1e6)}
+    print(f"{config:>6} {n:>6} {edges:>8} {threads:>3} {times['forward']:9.2f} {rate['forward']:7.1f} "
+          f"{times['backward']:9.2f} {rate['backward']:7.1f} {blas:7.1f} {peak:7.1f} {row['floor_ms']:9.2f}",
+          flush=True)
+    return row
+
+
+HEADER = (f"{'config':>6} {'nodes':>6} {'edges':>8} {'thr':>3} {'fwd ms':>9} {'GFLOP/s':>7} {'bwd ms':>9} "
+          f"{'GFLOP/s':>7} {'blas':>7} {'peak':>7} {'floor ms':>9}")
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Command-line options (see ``--help``)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    p.add_argument("--sizes", type=int, nargs="+", default=None, help="numbers of nodes (default: layer.py's)")
+    p.add_argument("--threads", type=int, nargs="+", default=[1])
+    p.add_argument("--degree", type=float, default=14.0, help="mean number of edges per node")
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="tiny sizes and 2 repeats: a smoke test")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kernels.json")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.sizes, args.repeats = [16], 2
+    if min(args.sizes or [1]) < 1 or args.repeats < 1 or min(args.threads) < 1:
+        p.error("--sizes, --threads and --repeats must be positive")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    """Run every case, print the table, write the JSON."""
+    args = parse_args(argv)
+    print(f"device {cpu_name()} (cpu), float32; GFLOP/s of the kernels, of the BLAS on w = h L, of a 1024^3 mm")
+    print(HEADER)
+    rows = [run_case(config, n, threads, args) for config in args.configs
+            for n in (args.sizes or DEFAULTS[config]["sizes"]) for threads in args.threads]
+    report = {"meta": {"device": cpu_name(), "torch": torch.__version__, "repeats": args.repeats,
+                       "date": time.strftime("%Y-%m-%d %H:%M:%S")}, "results": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
