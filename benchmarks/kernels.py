@@ -46,7 +46,6 @@ for path in (ROOT, ROOT / "benchmarks"):  # run from a checkout without installi
 from dense_vs_sparse import cpu_name  # noqa: E402
 from layer import CONFIGS, DEFAULTS, build  # noqa: E402
 
-from e3attn.attention import _edge_vectors  # noqa: E402
 from e3attn.kernels import ops  # noqa: E402
 from e3attn.kernels.layout import KernelLayout, layout_for  # noqa: E402
 
@@ -77,7 +76,7 @@ def kernel_inputs(config: str, n: int, degree: float, seed: int):
     layer = models["e3attn"]
     src, dst = edge_index
     with torch.no_grad():
-        edge_vec = _edge_vectors(pos, src, dst)
+        edge_vec = pos[src] - pos[dst]
         hidden = layer.radial.hidden_features(layer.embedding(edge_vec.norm(dim=-1)))
         sh = layer.sh(edge_vec)
         linear = torch.cat([w.reshape(-1) for w in layer.radial.output_layers()])
