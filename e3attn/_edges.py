@@ -170,7 +170,7 @@ def _host_edges(i, j, shift, num_nodes, loop, num_edges, code_bits, coefficients
     keys = np.empty(num_edges, np.uint32) if narrow else edge_index[1]
     num_pairs, top = len(i), len(table) - 1
     unsafe = dict(casting="unsafe")
-    code = np.empty(_CHUNK, np.int64)
+    code, coefficients = np.empty(_CHUNK, np.int64), np.array(coefficients, getattr(shift, "dtype", np.int64))
     for start in range(0, num_pairs, _CHUNK):
         stop = min(start + _CHUNK, num_pairs)
         part = slice(start, stop)
@@ -181,7 +181,7 @@ def _host_edges(i, j, shift, num_nodes, loop, num_edges, code_bits, coefficients
         np.add(backward, i[part], out=backward, **unsafe)
         if code_bits:
             c = code[: len(forward)]
-            np.matmul(shift[part], np.array(coefficients, shift.dtype), out=c, **unsafe)
+            np.matmul(shift[part], coefficients, out=c, **unsafe)
             c += top // 2  # the code of S; top - code: that of -S, every component mirrored
             forward <<= code_bits
             np.bitwise_or(forward, c, out=forward, **unsafe)
