@@ -74,15 +74,16 @@ def check_radius_fits(max_radius: float, dtype: torch.dtype, name: str = "max_ra
         )
 
 
-def check_pos(pos: torch.Tensor, name: str = "pos") -> None:
-    """``pos`` must be a finite floating tensor of shape ``[N, 3]``."""
+def check_pos(pos: torch.Tensor, name: str = "pos", finite: bool = True) -> None:
+    """``pos`` must be a floating tensor of shape ``[N, 3]``, finite unless ``finite=False`` (for callers
+    that test the values themselves)."""
     if not isinstance(pos, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape [N, 3], got {type(pos).__name__}")
     if pos.dim() != 2 or pos.shape[1] != 3:
         raise ValueError(f"{name} must have shape [N, 3], got {list(pos.shape)}")
     if not pos.is_floating_point():
         raise ValueError(f"{name} must be a floating-point tensor, got dtype {pos.dtype}")
-    if not _tracing() and not bool(torch.isfinite(pos).all()):
+    if finite and not _tracing() and not bool(torch.isfinite(pos).all()):
         raise ValueError(f"{name} contains NaN or infinite values")
 
 

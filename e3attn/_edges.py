@@ -123,68 +123,111 @@ def _lexsort(columns: List[torch.Tensor]) -> torch.Tensor:
     return order
 
 
+# the host assembly works through its arrays in chunks of this many entries, each small enough to stay
+# in the core's cache through all its passes
+_CHUNK = 2**14
+# host sort keys are uint32 when they fit (NumPy sorts them about twice as fast as int64), else int64
+_NARROW_KEYS = 2**32
+
+
 def _csr_edges(i, j, shift, num_nodes: int, loop: bool, dtype: torch.dtype = torch.float64):
-    """The edges ``j -> i`` (shift ``S``) and ``i -> j`` (shift ``-S``) of every pair of a half list,
+    r"""The edges ``j -> i`` (shift ``S``) and ``i -> j`` (shift ``-S``) of every pair of a half list,
     and the self-loops, as ``[2, E]`` sorted by ``dst``, then ``src``, then shift, with the ``[E, 3]``
     shifts in ``dtype`` (``None`` without ``shift``); NumPy arrays or torch tensors, as the input.
 
-    Every edge is packed into one int64 key ``(dst << b | src) << c | code(S)``, where ``code``
-    numbers the shifts :math:`S \\in [-m, m]^3` lexicographically, and the keys are sorted by value
-    in the output's own memory (NumPy's SIMD sort on CPU): no argsort, no payload. A table of all
-    :math:`(2m+1)^3` shifts decodes the codes; large shifts (:math:`m > 50`) fall back to stable sorts
-    by column.
+    Every edge is packed into one integer key
+
+    .. math:: \big((\mathrm{dst} \cdot N + \mathrm{src}) \ll c\big) \,|\, \mathrm{code}(S),
+
+    where :math:`\mathrm{code}` numbers the shifts :math:`S \in [-m, m]^3` lexicographically (in
+    :math:`c` bits), and the keys are sorted by value: no argsort, no payload. A table of all
+    :math:`(2m+1)^3` shifts decodes the codes. NumPy sorts uint32 keys when :math:`N^2 \, 2^c \le 2^{32}`,
+    else int64 ones (as torch); large shifts (:math:`m > 50`) or keys beyond int64 fall back to stable
+    sorts by column.
     """
-    host = isinstance(i, np.ndarray)
-    num_pairs, bits = len(i), max(1, (num_nodes - 1).bit_length())
+    num_pairs = len(i)
     reach = int(max(-shift.min(), shift.max())) if shift is not None and num_pairs > 0 else 0
     width = 2 * reach + 1
     code_bits = (width**3 - 1).bit_length()
-    if shift is not None and (reach > 50 or 2 * bits + code_bits > 63):
+    if shift is not None and (reach > 50 or num_nodes**2 << code_bits > 2**63):
         return _lexsorted_edges(*(_tensor(t) for t in (i, j, shift)), dtype)
-    size = (2, 2 * num_pairs + (num_nodes if loop else 0))
-    edge_index = np.empty(size, np.int64) if host else torch.empty(size, dtype=torch.long, device=i.device)
-    # every step in place, in the output's memory (row 1: the keys; row 0: scratch, then the sources):
-    # no temporary arrays, whose fresh pages cost as much as the arithmetic
-    keys, scratch = edge_index[1], edge_index[0]
-    forward, backward = keys[:num_pairs], keys[num_pairs : 2 * num_pairs]
-    forward[:] = i
-    forward <<= bits
-    forward |= j
-    backward[:] = j
-    backward <<= bits
-    backward |= i
-    if code_bits:
-        code = scratch[:num_pairs]
-        code[:] = shift[:, 0]
-        for k in (1, 2):
-            code += reach
-            code *= width
-            code += shift[:, k]
-        code += reach
-        forward <<= code_bits
-        forward |= code
-        backward <<= code_bits
-        code -= width**3 - 1
-        backward -= code  # the code of -S, every component mirrored: width**3 - 1 - code
+    num_edges = 2 * num_pairs + (num_nodes if loop else 0)
+    # the shifts in code order
+    every_shift = torch.arange(-reach, reach + 1, dtype=dtype, device="cpu" if isinstance(i, np.ndarray) else i.device)
+    table = torch.cartesian_prod(every_shift, every_shift, every_shift).reshape(-1, 3)
+    coefficients = [width * width, width, 1]
+    if isinstance(i, np.ndarray):
+        return _host_edges(i, j, shift, num_nodes, loop, num_edges, code_bits, coefficients, table.numpy())
+    return _device_edges(i, j, shift, num_nodes, loop, num_edges, code_bits, coefficients, table)
+
+
+def _host_edges(i, j, shift, num_nodes, loop, num_edges, code_bits, coefficients, table):
+    """:func:`_csr_edges` with NumPy: every pass over a chunk of :data:`_CHUNK` entries at a time, in the
+    output's memory or chunk-sized buffers (no array-sized temporaries, whose fresh pages cost as much as
+    the arithmetic)."""
+    narrow = num_nodes**2 << code_bits <= _NARROW_KEYS
+    edge_index = np.empty((2, num_edges), np.int64)
+    keys = np.empty(num_edges, np.uint32) if narrow else edge_index[1]
+    num_pairs, top = len(i), len(table) - 1
+    unsafe = dict(casting="unsafe")
+    code, coefficients = np.empty(_CHUNK, np.int64), np.array(coefficients, getattr(shift, "dtype", np.int64))
+    for start in range(0, num_pairs, _CHUNK):
+        stop = min(start + _CHUNK, num_pairs)
+        part = slice(start, stop)
+        forward, backward = keys[part], keys[num_pairs + start : num_pairs + stop]
+        np.multiply(i[part], num_nodes, out=forward, **unsafe)
+        np.add(forward, j[part], out=forward, **unsafe)
+        np.multiply(j[part], num_nodes, out=backward, **unsafe)
+        np.add(backward, i[part], out=backward, **unsafe)
+        if code_bits:
+            c = code[: len(forward)]
+            np.matmul(shift[part], coefficients, out=c, **unsafe)
+            c += top // 2  # the code of S; top - code: that of -S, every component mirrored
+            forward <<= code_bits
+            np.bitwise_or(forward, c, out=forward, **unsafe)
+            backward <<= code_bits
+            backward += top
+            np.subtract(backward, c, out=backward, **unsafe)
     if loop:  # open graphs only: no code bits
-        nodes = keys[2 * num_pairs :]
-        nodes[:] = _arange(keys, 0, num_nodes)
-        nodes |= nodes << bits
-    if host:
-        keys.sort()
-    else:
-        keys.copy_(torch.sort(keys).values)
-    shifts = None
-    if shift is not None:
-        every_shift = torch.arange(-reach, reach + 1, dtype=dtype, device="cpu" if host else keys.device)
-        table = torch.cartesian_prod(every_shift, every_shift, every_shift).reshape(-1, 3)  # in code order
-        scratch[:] = keys
-        scratch &= (1 << code_bits) - 1
-        shifts = np.take(table.numpy(), scratch, axis=0) if host else table.index_select(0, scratch)
-    scratch[:] = keys
-    scratch >>= code_bits
-    scratch &= (1 << bits) - 1
-    keys >>= bits + code_bits
+        np.multiply(np.arange(num_nodes), num_nodes + 1, out=keys[2 * num_pairs :], **unsafe)
+    keys.sort()
+    shifts = np.empty((num_edges, 3), table.dtype) if shift is not None else None
+    pair = np.empty(_CHUNK, np.int64)
+    for start in range(0, num_edges, _CHUNK):
+        part = slice(start, start + _CHUNK)
+        key, src, dst = keys[part], edge_index[0, part], edge_index[1, part]
+        if shifts is not None:
+            np.bitwise_and(key, (1 << code_bits) - 1, out=src, **unsafe)
+            np.take(table, src, axis=0, out=shifts[part], mode="clip")
+        p = pair[: len(key)]
+        np.right_shift(key, code_bits, out=p, **unsafe)
+        np.floor_divide(p, num_nodes, out=dst)
+        np.multiply(dst, num_nodes, out=src)
+        np.subtract(p, src, out=src)
+    return edge_index, shifts
+
+
+def _device_edges(i, j, shift, num_nodes, loop, num_edges, code_bits, coefficients, table):
+    """:func:`_csr_edges` with torch, in place in the output's memory: int64 keys in row 0, codes in row 1."""
+    num_pairs = len(i)
+    edge_index = torch.empty((2, num_edges), dtype=torch.long, device=i.device)
+    keys, scratch = edge_index[0], edge_index[1]
+    forward, backward = keys[:num_pairs], keys[num_pairs : 2 * num_pairs]
+    torch.mul(i, num_nodes, out=forward).add_(j)
+    torch.mul(j, num_nodes, out=backward).add_(i)
+    if code_bits:
+        code = scratch[:num_pairs].copy_(shift[:, 2]).add_(len(table) // 2)  # the code of S
+        for k, coefficient in enumerate(coefficients[:2]):
+            code.add_(shift[:, k], alpha=coefficient)
+        forward.bitwise_left_shift_(code_bits).bitwise_or_(code)
+        backward.bitwise_left_shift_(code_bits).add_(len(table) - 1).sub_(code)  # the code of -S
+    if loop:  # open graphs only: no code bits
+        keys[2 * num_pairs :].copy_(torch.arange(num_nodes, device=i.device)).mul_(num_nodes + 1)
+    keys.copy_(torch.sort(keys).values)
+    shifts = table.index_select(0, keys & ((1 << code_bits) - 1)) if shift is not None else None
+    keys.bitwise_right_shift_(code_bits)
+    torch.div(keys, num_nodes, rounding_mode="floor", out=scratch)
+    keys.sub_(scratch * num_nodes)
     return edge_index, shifts
 
 

@@ -192,7 +192,7 @@ def radius_graph(
         tensor([[1, 0],
                 [0, 1]])
     """
-    check_pos(pos)
+    check_pos(pos, finite=False)  # the values: in the operator (_check_spread)
     r = _check_r_max(r_max, pos.dtype)
     if pos.shape[0] >= 2**31:
         raise ValueError(f"pos must have fewer than 2**31 points, got {pos.shape[0]}")
@@ -408,7 +408,7 @@ def radius_graph_pbc(
         tensor([[-1.,  0.,  0.],
                 [ 1.,  0.,  0.]])
     """
-    check_pos(pos)
+    check_pos(pos, finite=False)  # the values: in the operator (_check_spread)
     r = _check_r_max(r_max, pos.dtype)
     batch = _graph_index(batch, pos)
     cell, pbc = _check_cell(cell, pbc, pos)

@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from e3attn import _edges as edges_module
 from e3attn import _search
 from e3attn import graph as graph_module
 from e3attn._cells import cell_list_pairs, ragged_arange
@@ -593,6 +594,23 @@ def test_torch_assembly_equals_brute_force(cloud, r, loop, crystal):
             assert torch.equal(_radius_graph(pos, r, batch, loop, None, backend), brute_radius_graph(pos, r, batch, loop))
             edge_index, shifts = _radius_graph_pbc(pbc_pos, cells, pbc, r, graph, backend)
             assert torch.equal(edge_index, expected_pbc[0]) and torch.equal(shifts, expected_pbc[1]), backend
+
+
+@settings(max_examples=20, deadline=None)
+@given(cloud=clouds(), r=st.sampled_from(RADII), loop=st.booleans(), crystal=crystals(num_graphs=2),
+       chunk=st.integers(1, 7), narrow=st.booleans())
+def test_host_assembly_in_chunks_with_narrow_and_wide_keys(cloud, r, loop, crystal, chunk, narrow):
+    # NumPy assembles the graph a chunk of entries at a time and sorts uint32 keys when they fit, else
+    # int64 ones: tiny chunks (several per graph) and both key widths give the brute-force graphs
+    pos, batch = cloud
+    pbc_pos, cells, pbc, graph = crystal
+    expected_pbc = brute_radius_graph_pbc(pbc_pos, cells, pbc, r, graph)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(edges_module, "_CHUNK", chunk)
+        patch.setattr(edges_module, "_NARROW_KEYS", 2**32 if narrow else 0)
+        assert torch.equal(_radius_graph(pos, r, batch, loop, None, "vesin"), brute_radius_graph(pos, r, batch, loop))
+        edge_index, shifts = _radius_graph_pbc(pbc_pos, cells, pbc, r, graph, "vesin")
+    assert torch.equal(edge_index, expected_pbc[0]) and torch.equal(shifts, expected_pbc[1])
 
 
 def test_bfloat16_positions():
