@@ -180,7 +180,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         return [molecules.to_sample(a, train_args.max_radius) for a in molecules.make_structures(num, seed)]
 
     train_set, test_set = samples(train_args.train, train_args.seed), samples(train_args.test, train_args.seed + 10_000)
-    units = molecules.fit_references(train_set)
+    units = molecules.fit_references(train_set, train_args.energy_scale)
     args.avg_num_neighbors = train_args.avg_num_neighbors
     args.max_radius = train_args.max_radius
     rows: List[dict] = []

@@ -3,6 +3,7 @@ import importlib
 import itertools
 import pathlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -113,6 +114,26 @@ def test_molecules_batches_equal_single_structures(examples):
         torch.testing.assert_close(e, energy[i : i + 1], atol=1e-4, rtol=1e-6)
         n0 = sum(t["pos"].shape[0] for t in samples[:i])
         torch.testing.assert_close(f, forces[n0 : n0 + s["pos"].shape[0]], atol=1e-4, rtol=1e-5)
+
+
+def test_molecules_energy_scales(examples):
+    import molecules
+
+    samples = [molecules.to_sample(a, 4.0) for a in molecules.make_structures(6, seed=3)]
+    counts = np.array([[(s["species"] == k).sum().item() for k in range(len(molecules.SPECIES))] for s in samples])
+    energies = np.array([s["energy"].item() for s in samples])
+    refs = np.linalg.lstsq(counts, energies, rcond=None)[0]
+    per_atom = (energies - counts @ refs) / counts.sum(1)
+    forces = np.concatenate([s["forces"].double().numpy() for s in samples])
+
+    units = molecules.fit_references(samples)  # the default: RMS force component
+    np.testing.assert_allclose(units["energy_references"], refs, rtol=1e-8, atol=1e-8)
+    np.testing.assert_allclose(units["energy_scale"], np.sqrt(np.mean(forces**2)), rtol=1e-10)
+    units = molecules.fit_references(samples, "energy_std")
+    np.testing.assert_allclose(units["energy_scale"], np.std(per_atom), rtol=1e-8)
+    assert molecules.parse_args(["--energy-scale", "energy_std"]).energy_scale == "energy_std"
+    with pytest.raises(ValueError, match="energy_scale: expected one of"):
+        molecules.fit_references(samples, "energy_rms")
 
 
 def test_molecules_amp_on_cpu_warns_and_runs_in_float32(examples):
