@@ -29,7 +29,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -44,7 +43,7 @@ for path in (ROOT, ROOT / "benchmarks"):  # run from a checkout without installi
         sys.path.insert(0, str(path))
 
 from dense_vs_sparse import cpu_name  # noqa: E402
-from layer import CONFIGS, DEFAULTS, build  # noqa: E402
+from layer import CONFIGS, DEFAULTS, build, write  # noqa: E402
 
 from e3attn.kernels import ops  # noqa: E402
 from e3attn.kernels.layout import KernelLayout, layout_for  # noqa: E402
@@ -162,9 +161,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             for n in (args.sizes or DEFAULTS[config]["sizes"]) for threads in args.threads]
     report = {"meta": {"device": cpu_name(), "torch": torch.__version__, "repeats": args.repeats,
                        "date": time.strftime("%Y-%m-%d %H:%M:%S")}, "results": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {args.out}")
+    write(report, args.out)
     return report
 
 
