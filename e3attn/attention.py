@@ -18,10 +18,12 @@ from ._checks import (
     check_pos,
     check_radius_fits,
 )
+from . import kernels
 from ._irreps import IrrepsLike, as_irreps
 from .graph import radius_graph
 from .heads import MultiHeadDot, scale_heads, split_heads
 from .linear import IrrepsLinear
+from .node_contraction import NodeContraction
 from .radial import RadialEmbedding, RadialMLP, log_soft_unit_step
 from .scatter import scatter_sum, segment_softmax
 from .spherical_harmonics import SphericalHarmonics
@@ -146,6 +148,7 @@ class EquivariantAttention(torch.nn.Module):
         self.radial = RadialMLP(number_of_basis, radial_neurons, self.tp.weight_numel)
         self.query = IrrepsLinear(self.irreps_input, self.irreps_query)
         self.dot = MultiHeadDot(self.irreps_query, self.irreps_key, num_heads)
+        self.nodes = NodeContraction(self.tp, self.dot, num_heads, self.radial.hidden)
         self._output_sizes = [mul * ir.dim for mul, ir in self.irreps_output]
         self._attention_hooks: "OrderedDict[int, AttentionHook]" = OrderedDict()
 
@@ -194,11 +197,13 @@ class EquivariantAttention(torch.nn.Module):
             check_edge_vec(edge_vec, src.shape[0])
             check_dtype(edge_vec, "edge_vec", pos.dtype, "the layer")
 
-        q, k, v, log_c = self._edge_terms(f, f, edge_vec, src)
-        logits = (q.index_select(0, dst) * k).sum(-1) + log_c[:, None]  # [E, H]
-        alpha, sqrt_alpha = segment_softmax(logits, dst, num_nodes, return_sqrt=True)
-        weight = sqrt_alpha if self.aggregation == "sqrt_alpha" else alpha
-        out = scatter_sum(scale_heads(v, weight, self._output_sizes), dst, num_nodes)
+        if kernels.segments_enabled(pos.device, pos.dtype):
+            out, alpha = self._attend_at_nodes(f, edge_vec, src, dst, num_nodes)
+        else:
+            q, k, v, log_c = self._edge_terms(f, f, edge_vec, src)
+            logits = (q.index_select(0, dst) * k).sum(-1) + log_c[:, None]  # [E, H]
+            alpha, weight = self._attention_weights(logits, dst, num_nodes)
+            out = scatter_sum(scale_heads(v, weight, self._output_sizes), dst, num_nodes)
 
         for hook in self._attention_hooks.values():
             hook(self, edge_index, alpha.detach())
@@ -218,6 +223,16 @@ class EquivariantAttention(torch.nn.Module):
         check_batch(batch, num_nodes)
         return num_nodes
 
+    def _attention_weights(self, logits: torch.Tensor, dst: torch.Tensor, num_nodes: int):
+        r"""The attention :math:`\alpha` and the weights of the values (:math:`\sqrt{\alpha}` or :math:`\alpha`)."""
+        alpha, sqrt_alpha = segment_softmax(logits, dst, num_nodes, return_sqrt=True)
+        return alpha, sqrt_alpha if self.aggregation == "sqrt_alpha" else alpha
+
+    def _radial_terms(self, edge_vec: torch.Tensor):
+        """The hidden features of the radial networks and the log cutoff weights of every edge."""
+        r = edge_vec.norm(dim=-1)
+        return self.radial.hidden_features(self.embedding(r)), log_soft_unit_step(10.0 * (1.0 - r / self.max_radius))
+
     def _edge_terms(
         self, f: torch.Tensor, f_src: torch.Tensor, edge_vec: torch.Tensor, src: Optional[torch.Tensor] = None
     ):
@@ -225,12 +240,27 @@ class EquivariantAttention(torch.nn.Module):
 
         ``f_src`` are the source features of every edge, or with ``src`` the node features ``f_src[src]``.
         """
-        r = edge_vec.norm(dim=-1)
-        hidden = self.radial.hidden_features(self.embedding(r))
+        hidden, log_c = self._radial_terms(edge_vec)
         k, v = self.tp.forward_factored(f_src, self.sh(edge_vec), hidden, self.radial.output_layers(), index=src)
         q = self.dot.project_query(self.query(f))
-        log_c = log_soft_unit_step(10.0 * (1.0 - r / self.max_radius))
         return q, self.dot.key_heads(k), v, log_c
+
+    def _attend_at_nodes(self, f: torch.Tensor, edge_vec: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                         num_nodes: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The output and the attention (in the order of the edges) by :class:`~e3attn.node_contraction.NodeContraction`,
+        on the edges sorted by destination."""
+        order = None
+        if torch.compiler.is_compiling() or not bool((dst[1:] >= dst[:-1]).all()):
+            order = torch.argsort(dst, stable=True)
+            src, dst, edge_vec = src.index_select(0, order), dst.index_select(0, order), edge_vec.index_select(0, order)
+        rowptr = torch.searchsorted(dst.contiguous(), torch.arange(num_nodes + 1, device=dst.device))
+        hidden, log_c = self._radial_terms(edge_vec)
+        out, alpha = self.nodes.attend(
+            f, src, self.sh(edge_vec), hidden, self.radial.output_layers(), self.dot.project_query(self.query(f)),
+            log_c, rowptr, lambda logits: self._attention_weights(logits, dst, num_nodes))
+        if order is not None:
+            alpha = torch.zeros_like(alpha).index_copy(0, order, alpha)
+        return out, alpha
 
     def dense(self, f: torch.Tensor, pos: torch.Tensor, batch: Optional[torch.Tensor] = None) -> torch.Tensor:
         r"""The same attention evaluated densely over all :math:`N \times N` pairs.

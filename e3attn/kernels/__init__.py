@@ -37,7 +37,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-__all__ = ["fused_enabled", "fused_factored_product", "set_cuda_kernels", "set_fused_kernels"]
+__all__ = ["fused_enabled", "fused_factored_product", "segments_enabled", "set_cuda_kernels", "set_fused_kernels"]
 
 _DTYPES = (torch.float32, torch.float64)
 _ENABLED = os.environ.get("E3ATTN_FUSED_KERNELS", "1") != "0"
@@ -77,6 +77,20 @@ def fused_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type == "cuda" and not (_CUDA_ENABLED and _has_triton()):
         return False
     return not (torch.is_autocast_enabled(device.type) or torch._C._are_functorch_transforms_active())
+
+
+def segments_enabled(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether :class:`~e3attn.attention.EquivariantAttention` contracts its radial weights at the nodes
+    (:class:`~e3attn.node_contraction.NodeContraction`, on the kernels of :mod:`e3attn.kernels.segment_ops`).
+
+    Where the fused kernels run on the CPU (:func:`fused_enabled`) on numba; elsewhere the layer computes
+    keys and values per edge with :meth:`~e3attn.tensor_product.SphericalTensorProduct.forward_factored`.
+    """
+    if device.type != "cpu" or not fused_enabled(device, dtype):
+        return False
+    from . import ops
+
+    return ops._CPU_KERNELS == "numba"
 
 
 @functools.lru_cache(maxsize=None)

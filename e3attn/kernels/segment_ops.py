@@ -1,0 +1,302 @@
+r"""The kernels of :mod:`e3attn.kernels.segments` as PyTorch custom operators, differentiable to any order.
+
+With the edges grouped by destination (``rowptr [N + 1]``), :math:`Q_i = E(z_i, L)` the per-node expansion of
+:class:`~e3attn.node_contraction.NodeContraction` and :math:`U_i = O(a, y)_i = \sum_{e \to i} a_e^T y_e`:
+
+* ``e3attn::node_expand(y, a, z, L)``: :math:`D(y, Q)_e = y_e Q_i^T` and :math:`C(a, Q)_e = a_e Q_i`;
+* ``e3attn::node_outer(a, y, L, z)``: :math:`R(U_i, L)` and :math:`\sum_i X(U_i, z_i)`;
+* ``e3attn::path_features(spec, x, index, sh)``: :math:`y_e = P(x_{\mathrm{index}(e)}, Y_e)`, and
+  ``e3attn::path_features_backward`` its gradients.
+
+Each output is multilinear, with :math:`\langle g, D(y, Q) \rangle = \langle Q, O(g, y) \rangle`,
+:math:`\langle g, C(a, Q) \rangle = \langle Q, O(a, g) \rangle` and
+:math:`\langle g, R(U, L) \rangle = \langle E(g, L), U \rangle = \langle g', X(U, z) \rangle`-type
+identities, so the gradients of one operator are the other's outputs:
+
+.. math::
+
+    \partial_y \langle g_t, D \rangle = C(g_t, Q),\quad \partial_a \langle g_r, C \rangle = D(g_r, Q),\quad
+    \partial_{z, L} = R, X \text{ of } O(g_t, y) + O(a, g_r),
+
+    \partial_{a, y} \big(\langle g_o, R \rangle + \langle g_X, X \rangle\big) = D, C \text{ of }
+    W = E(g_o, L) + E(z, g_X),\quad \partial_L = X(U, g_o),\quad \partial_z = R(U, g_X),
+
+and every derivative, forces and their training included, runs on the same two kernels; each call computes
+the outputs that share its per-node matrix at once. An input given as None leaves its output empty. CPU
+tensors (float32 and float64) only: :func:`e3attn.kernels.segments_enabled` says where the layer uses them.
+"""
+from __future__ import annotations
+
+import functools
+from typing import List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from . import cpu, segments
+from .layout import layout_for
+from .ops import _array, _forward_groups, _parallel
+
+__all__ = ["node_expand", "node_outer", "path_features", "path_features_backward"]
+
+_TILE = 64  # edges per tile of the path features
+
+
+def _node_groups(rowptr: torch.Tensor) -> int:
+    """Groups of nodes for the threads: a few per thread (no reduction: any split gives the same result)."""
+    return max(1, min(rowptr.shape[0] - 1, 4 * torch.get_num_threads()))
+
+
+def _check_segments(rowptr: torch.Tensor, num_edges: int, num_nodes: int) -> np.ndarray:
+    """``rowptr`` as an array, after checking what the kernels rely on (they index without bounds checks)."""
+    if rowptr.dim() != 1 or rowptr.dtype != torch.int64 or rowptr.device.type != "cpu" or rowptr.shape[0] != num_nodes + 1:
+        raise ValueError(f"rowptr must be a 1-d int64 CPU tensor [{num_nodes + 1}] (one more than the nodes), got "
+                         f"{rowptr.dtype} {list(rowptr.shape)}")
+    array = _array(rowptr)
+    if array[0] != 0 or array[-1] != num_edges or np.any(np.diff(array) < 0):
+        raise ValueError(f"rowptr must rise from 0 to the number of edges ({num_edges})")
+    return array
+
+
+def _check(name: str, t: torch.Tensor, shape: Tuple[int, ...]) -> np.ndarray:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    return _array(t)
+
+
+def _node_arguments(edge_rows: Optional[torch.Tensor], y: Optional[torch.Tensor], z: Optional[torch.Tensor],
+                    lt: Optional[torch.Tensor], blocks: torch.Tensor, rowptr: torch.Tensor, dims: List[int]):
+    """The arrays of a node kernel (empty for None), checked against ``dims = [heads, hidden, paths, z width,
+    L size]``: ``a [E, heads * hidden]`` (flattened), ``y [E, paths]``, ``z [N, z width]``, ``lt [L size]``."""
+    heads, hidden, paths, zwidth, lsize = dims
+    nodes = rowptr.shape[0] - 1
+    num = next((t.shape[0] for t in (edge_rows, y) if t is not None), 0)
+    dtype = next(t for t in (edge_rows, y, z, lt) if t is not None).dtype
+    arrays = []
+    for name, t, shape in (("a", edge_rows, (num, heads * hidden)), ("y", y, (num, paths)), ("z", z, (nodes, zwidth)),
+                           ("lt", lt, (lsize,))):
+        if t is not None and t.dtype != dtype:
+            raise ValueError(f"{name} must have dtype {dtype}, got {t.dtype}")
+        array = _check(name, t, shape) if t is not None else np.empty((0,) + shape[1:], _NUMPY[dtype])
+        arrays.append(array.reshape(-1) if name == "a" else array)
+    table = _array(blocks)
+    if blocks.dim() != 2 or blocks.shape[1] != 6 or (table.shape[0] and (
+            (table[:, 0] + table[:, 1] * table[:, 2]).max() > paths
+            or (table[:, 4] + heads * table[:, 3] * hidden * table[:, 1]).max() > lsize
+            or (table[:, 5] + heads * table[:, 3] * table[:, 2]).max() > zwidth)):
+        raise ValueError("blocks does not fit dims (paths, z width, L size)")
+    return arrays, table, _check_segments(rowptr, num, nodes)
+
+
+_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
+
+
+@torch.library.custom_op("e3attn::node_expand", mutates_args=())
+def node_expand(y: Optional[torch.Tensor], a: Optional[torch.Tensor], z: torch.Tensor, lt: torch.Tensor,
+                blocks: torch.Tensor, rowptr: torch.Tensor, dims: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """With :math:`Q_i = E(z_i, L)`: :math:`t_e = y_e Q_i^T` ``[E, heads * hidden]`` and :math:`r_e = a_e Q_i`
+    ``[E, paths]`` (each empty when its input is None)."""
+    (a_, y_, z_, lt_), table, ptr = _node_arguments(a, y, z, lt, blocks, rowptr, dims)
+    num = y_.shape[0] if y is not None else (a.shape[0] if a is not None else 0)
+    out_t = z.new_empty(num if y is not None else 0, dims[0] * dims[1])
+    out_r = z.new_empty(num if a is not None else 0, dims[2])
+    arrays = (out_t.view(-1).numpy(), out_r.numpy())
+    groups = _node_groups(rowptr)
+    _parallel(lambda g: segments.node_expand(y_, a_, z_, lt_, table, dims[0], dims[1], ptr, g, groups, *arrays),
+              groups)
+    return out_t, out_r
+
+
+@torch.library.custom_op("e3attn::node_outer", mutates_args=())
+def node_outer(a: torch.Tensor, y: torch.Tensor, lt: Optional[torch.Tensor], z: Optional[torch.Tensor],
+               blocks: torch.Tensor, rowptr: torch.Tensor, dims: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+    r"""With :math:`U_i = \sum_{e \to i} a_e^T y_e`: :math:`R(U_i, L)` ``[N, z width]`` and
+    :math:`\sum_i X(U_i, z_i)` ``[L size]`` (the gradient in :math:`L` of :math:`\sum_i \langle E(z_i, L), U_i
+    \rangle`; summed per fixed group of nodes, in order), each empty when its input is None."""
+    (a_, y_, z_, lt_), table, ptr = _node_arguments(a, y, z, lt, blocks, rowptr, dims)
+    out_o = y.new_empty(rowptr.shape[0] - 1 if lt is not None else 0, dims[3])
+    glt = y.new_empty(cpu.GROUPS if z is not None else 0, dims[4])
+    arrays = (out_o.numpy(), glt.numpy())
+    groups = cpu.GROUPS if z is not None else _node_groups(rowptr)
+    _parallel(lambda g: segments.node_outer(a_, y_, lt_, z_, table, dims[0], dims[1], ptr, g, groups, *arrays),
+              groups)
+    return out_o, glt.sum(0) if z is not None else glt.new_empty(0)
+
+
+@node_expand.register_fake
+def _(y, a, z, lt, blocks, rowptr, dims):
+    num = y.shape[0] if y is not None else (a.shape[0] if a is not None else 0)
+    return z.new_empty(num if y is not None else 0, dims[0] * dims[1]), z.new_empty(num if a is not None else 0, dims[2])
+
+
+@node_outer.register_fake
+def _(a, y, lt, z, blocks, rowptr, dims):
+    return y.new_empty(rowptr.shape[0] - 1 if lt is not None else 0, dims[3]), y.new_empty(dims[4] if z is not None else 0)
+
+
+@functools.lru_cache(maxsize=None)
+def component_major_paths(spec: str) -> Tuple[np.ndarray, int]:
+    """The index ``p`` of every path feature of the product named by ``spec`` in the order of this module,
+    (degree group, component ``m``, path ``k``) instead of the layout's (group, ``k``, ``m``), and their number."""
+    layout = layout_for(spec)
+    groups = sorted({(int(b[1]), int(b[2]), int(b[3])) for b in layout.blocks})  # (offset, K, 2l+1)
+    starts = np.asarray([g[0] for g in groups] + [layout.num_paths], dtype=np.int64)
+    p = np.arange(layout.num_paths, dtype=np.int64)
+    g = np.searchsorted(starts, p, side="right") - 1
+    kdim, dim_l = np.asarray([x[1] for x in groups])[g], np.asarray([x[2] for x in groups])[g]
+    local = p - starts[g]
+    return starts[g] + (local % dim_l) * kdim + local // dim_l, layout.num_paths
+
+
+def _path_arguments(spec: str, x: torch.Tensor, index: torch.Tensor, sh: torch.Tensor):
+    """The data as arrays and the path structure (component-major), after the checks the kernels rely on."""
+    layout = layout_for(spec)
+    if x.dim() != 2 or x.shape[1] <= int(layout.path_x.max(initial=-1)):
+        raise ValueError(f"x has the wrong shape for this product: {list(x.shape)}")
+    if sh.dim() != 2 or sh.shape[1] <= int(layout.path_y.max(initial=-1)):
+        raise ValueError(f"sh has the wrong shape for this product: {list(sh.shape)}")
+    _check("index", index, (sh.shape[0],))
+    if index.shape[0] and (int(index.min()) < 0 or int(index.max()) >= x.shape[0]):
+        raise IndexError(f"index must be in [0, {x.shape[0]}) (the rows of x)")
+    data = (_array(x), _array(index), _array(sh))
+    order, paths = component_major_paths(spec)
+    structure = (layout.path_x, layout.path_y, order[layout.path_p], layout.path_c.astype(data[0].dtype))
+    return data, structure, paths
+
+
+@torch.library.custom_op("e3attn::path_features", mutates_args=())
+def path_features(spec: str, x: torch.Tensor, index: torch.Tensor, sh: torch.Tensor) -> torch.Tensor:
+    """:math:`P(x_{\\mathrm{index}}, Y)` ``[E, paths]`` of the product named by ``spec``."""
+    data, structure, paths = _path_arguments(spec, x, index, sh)
+    out = sh.new_empty(sh.shape[0], paths)
+    groups = _forward_groups(sh.shape[0], _TILE)
+    array = out.numpy()
+    _parallel(lambda group: segments.path_features(*data, structure, _TILE, group, groups, array), groups)
+    return out
+
+
+@torch.library.custom_op("e3attn::path_features_backward", mutates_args=())
+def path_features_backward(spec: str, x: torch.Tensor, index: torch.Tensor, sh: torch.Tensor, grad: torch.Tensor,
+                           needs: List[bool]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of ``x`` ``[N, in]`` and ``sh`` ``[E, sh]`` flagged in ``needs`` (others empty)."""
+    data, structure, paths = _path_arguments(spec, x, index, sh)
+    _check("grad", grad, (sh.shape[0], paths))
+    gx_edges, gsh = x.new_empty(sh.shape[0], x.shape[1]), sh.new_empty(sh.shape)
+    groups = _forward_groups(sh.shape[0], _TILE)
+    arrays = (gx_edges.numpy(), gsh.numpy())
+    _parallel(lambda group: segments.path_features_backward(*data, _array(grad), structure, _TILE, group, groups,
+                                                            *arrays), groups)
+    gx = torch.zeros_like(x).index_add_(0, index, gx_edges) if needs[0] else x.new_empty(0)
+    return gx, gsh if needs[1] else sh.new_empty(0)
+
+
+@path_features.register_fake
+def _(spec, x, index, sh):
+    return sh.new_empty(sh.shape[0], layout_for(spec).num_paths)
+
+
+@path_features_backward.register_fake
+def _(spec, x, index, sh, grad, needs):
+    return tuple(t.new_empty(t.shape) if need else t.new_empty(0) for t, need in zip((x, sh), needs))
+
+
+# ---------------------------------------------------------------------- autograd: the gradients of each are the others
+
+
+def _save_node(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs[:6])
+    ctx.dims = inputs[6]
+
+
+def _used(g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return g.contiguous() if g is not None and g.numel() else None
+
+
+def _add(total: Optional[torch.Tensor], part: torch.Tensor) -> torch.Tensor:
+    return part if total is None else total + part
+
+
+def _expand_backward(ctx, gt, gr):
+    r"""For :math:`t = D(y, Q)`, :math:`r = C(a, Q)`, :math:`Q = E(z, L)`: :math:`\partial_y = C(g_t, Q)`,
+    :math:`\partial_a = D(g_r, Q)` (one call), and :math:`\partial_{z, L}` from :math:`U = O(g_t, y) + O(a, g_r)`."""
+    y, a, z, lt, blocks, rowptr = ctx.saved_tensors
+    gt, gr, d = _used(gt) if y is not None else None, _used(gr) if a is not None else None, ctx.dims
+    need_y, need_a, need_z, need_lt = ctx.needs_input_grad[:4]
+    ga = gy = gz = glt = None
+    use_gr, use_gt = need_a and gr is not None, need_y and gt is not None
+    if use_gr or use_gt:
+        ga, gy = node_expand(gr if use_gr else None, gt if use_gt else None, z, lt, blocks, rowptr, d)
+        ga, gy = ga if use_gr else None, gy if use_gt else None
+    if need_z or need_lt:
+        for left, right in ((gt, y), (a, gr)):
+            if left is not None and right is not None:
+                o, g = node_outer(left, right, lt if need_z else None, z if need_lt else None, blocks, rowptr, d)
+                gz, glt = _add(gz, o) if need_z else None, _add(glt, g) if need_lt else None
+    return gy, ga, gz, glt, None, None, None
+
+
+def _outer_backward(ctx, go, gg):
+    r"""For :math:`o = R(U, L)`, :math:`g = X(U, z)`, :math:`U = O(a, y)`: with :math:`W = E(g_o, L) + E(z, g_g)`,
+    :math:`\partial_a = D(y, W)`, :math:`\partial_y = C(a, W)`, and :math:`\partial_L = X(U, g_o)`,
+    :math:`\partial_z = R(U, g_g)` (one call)."""
+    a, y, lt, z, blocks, rowptr = ctx.saved_tensors
+    go, gg, d = _used(go) if lt is not None else None, _used(gg) if z is not None else None, ctx.dims
+    need_a, need_y, need_lt, need_z = ctx.needs_input_grad[:4]
+    ga = gy = glt = gz = None
+    if need_a or need_y:
+        for zz, ll in ((go, lt), (z, gg)):
+            if zz is not None and ll is not None:
+                t, r = node_expand(y if need_a else None, a if need_y else None, zz, ll, blocks, rowptr, d)
+                ga, gy = (_add(ga, t) if need_a else None), (_add(gy, r) if need_y else None)
+    if (need_z and gg is not None) or (need_lt and go is not None):
+        gz, glt = node_outer(a, y, gg if need_z else None, go if need_lt else None, blocks, rowptr, d)
+    return (ga, gy, glt if need_lt and go is not None else None, gz if need_z and gg is not None else None,
+            None, None, None)
+
+
+node_expand.register_autograd(_expand_backward, setup_context=_save_node)
+node_outer.register_autograd(_outer_backward, setup_context=_save_node)
+
+
+def _save_paths(ctx, inputs, output) -> None:
+    spec, x, index, sh = inputs[:4]
+    ctx.spec = spec
+    ctx.save_for_backward(x, index, sh, *inputs[4:5])
+
+
+def _paths_backward(ctx, grad):
+    x, index, sh = ctx.saved_tensors
+    needs = [ctx.needs_input_grad[1], ctx.needs_input_grad[3]]
+    if not any(needs):
+        return None, None, None, None
+    gx, gsh = path_features_backward(ctx.spec, x, index, sh, grad.contiguous(), needs)
+    return None, gx if needs[0] else None, None, gsh if needs[1] else None
+
+
+def _save_paths_backward(ctx, inputs, output) -> None:
+    _save_paths(ctx, inputs, output)
+    ctx.needs = inputs[5]
+
+
+def _paths_backward_backward(ctx, vx, vsh):
+    r"""For the gradients :math:`(v_x, v_Y)` arriving at :math:`(P_x^T(g; Y), P_Y^T(g; x))`:
+    :math:`\partial_g = P(v_x, Y) + P(x, v_Y)`, :math:`\partial_x = P_x^T(g; v_Y)`,
+    :math:`\partial_Y = P_Y^T(g; v_x)` (the product is bilinear)."""
+    x, index, sh, grad = ctx.saved_tensors
+    vx = vx if ctx.needs[0] and vx is not None and vx.numel() else None
+    vsh = vsh if ctx.needs[1] and vsh is not None and vsh.numel() else None
+    spec = ctx.spec
+    g_grad = gx = gsh = None
+    if ctx.needs_input_grad[4]:
+        parts = ([path_features(spec, vx.contiguous(), index, sh)] if vx is not None else []) + (
+            [path_features(spec, x, index, vsh.contiguous())] if vsh is not None else [])
+        g_grad = sum(parts[1:], parts[0]) if parts else None
+    if ctx.needs_input_grad[1] and vsh is not None:
+        gx = path_features_backward(spec, x, index, vsh.contiguous(), grad, [True, False])[0]
+    if ctx.needs_input_grad[3] and vx is not None:
+        gsh = path_features_backward(spec, vx.contiguous(), index, sh, grad, [False, True])[1]
+    return None, gx, None, gsh, g_grad, None
+
+
+path_features.register_autograd(_paths_backward, setup_context=_save_paths)
+path_features_backward.register_autograd(_paths_backward_backward, setup_context=_save_paths_backward)

@@ -1,0 +1,202 @@
+r"""The attention's kernels on the CPU when its radial weights are contracted at the nodes (numba).
+
+See :class:`~e3attn.node_contraction.NodeContraction` for the math. The edges are sorted by destination,
+so that the edges :math:`e \to i` of node :math:`i` are the rows ``rowptr[i]:rowptr[i + 1]`` (a CSR
+layout), and every kernel walks the nodes of its share ``gi`` of ``groups``, building one per-node matrix
+``[heads * hidden, paths]`` in a buffer that stays in cache:
+
+* :func:`node_expand`: :math:`Q_i = E(z_i, L)` (``_expand``), then for the node's edges
+  :math:`t_e = y_e Q_i^T` and/or :math:`r_e = a_e Q_i`;
+* :func:`node_outer`: :math:`U_i = \sum_{e \to i} a_e^T y_e`, then :math:`R(U_i, L)` (``_reduce``, the
+  adjoint of :math:`E` in :math:`z`) and/or the gradient :math:`X(U_i, z_i)` of
+  :math:`\langle E(z_i, L), U_i \rangle` in :math:`L` (``_cross``), summed per group.
+
+:math:`E` works per block of the product (a degree group :math:`g` of :math:`K` paths and :math:`2l+1`
+components, ``blocks`` rows ``(path offset, K, 2l+1, channels per head, L offset, z offset)``): per head
+:math:`a`, channel :math:`w` and component :math:`m`, :math:`Q_i[aH + h, g + mK + k] \mathrel{+}=
+z_i[a, w, m]\, L[a, w, h, k]`, run along rows of ``hidden * K`` numbers (``_scratch``). The path features
+are laid out (group, component, path) to match. The edge contractions run in the register-blocked loops
+of :mod:`e3attn.kernels.cpu` along the contiguous path axis. Every kernel writes only its own nodes' rows
+(and the gradient of :math:`L` into its group's buffer), so results do not depend on the number of threads.
+
+:func:`path_features` and :func:`path_features_backward` compute :math:`y_e = P(x_{\mathrm{src}(e)}, Y_e)`
+and its gradients in tiles of edges, edges last, as the fused product does.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from .cpu import _JIT, _dots, _load, _mac, _paths, _paths_backward, _store
+
+__all__ = ["node_expand", "node_outer", "path_features", "path_features_backward"]
+
+
+# ------------------------------------------------------------------ per node: Q_i = E(z_i, L) and its adjoints
+
+
+@numba.njit(**_JIT)
+def _scratch(blocks, hidden, dtype_of):
+    """A scratch ``[2l+1, hidden K]`` for the widest block (the per-node contractions run along its rows)."""
+    return np.empty((max(1, blocks[:, 2].max()), max(1, hidden * blocks[:, 1].max())), dtype_of.dtype)
+
+
+@numba.njit(**_JIT)
+def _gather(tmp, buf, a, hidden, poff, kdim, dim_l):
+    """``tmp[m, h K + k] = buf[a H + h, poff + m K + k]``: a block of one head, rows along ``(h, k)``."""
+    for m in range(dim_l):
+        for h in range(hidden):
+            src, dst = buf[a * hidden + h, poff + m * kdim :], tmp[m, h * kdim :]
+            for k in range(kdim):
+                dst[k] = src[k]
+
+
+@numba.njit(**_JIT)
+def _expand(buf, z, lt, blocks, heads, hidden, tmp):
+    """``buf [J, P] = E(z, L)``: ``buf[a H + h, poff + m K + k] = sum_w z[a, w, m] lt[a, w, h, k]`` per block."""
+    buf[:, :] = 0.0
+    for b in range(blocks.shape[0]):
+        poff, kdim, dim_l, width, loff, zoff = blocks[b]
+        size = hidden * kdim
+        for a in range(heads):
+            tmp[:dim_l, :size] = 0.0
+            for w in range(width):
+                zw, lw = zoff + (a * width + w) * dim_l, loff + (a * width + w) * size
+                lrow = lt[lw : lw + size]  # a view: the inner loop then vectorises
+                for m in range(dim_l):
+                    c, row = z[zw + m], tmp[m]
+                    for r in range(size):
+                        row[r] += c * lrow[r]
+            for m in range(dim_l):
+                for h in range(hidden):
+                    src, dst = tmp[m, h * kdim :], buf[a * hidden + h, poff + m * kdim :]
+                    for k in range(kdim):
+                        dst[k] = src[k]
+
+
+@numba.njit(**_JIT)
+def _reduce(out, buf, lt, blocks, heads, hidden, tmp, zero):
+    """``out = R(buf, L)``, the adjoint of :func:`_expand`: ``out[a, w, m] = sum_hk lt[a, w, h, k] buf[a H + h,
+    poff + m K + k]`` per block."""
+    for b in range(blocks.shape[0]):
+        poff, kdim, dim_l, width, loff, zoff = blocks[b]
+        size = hidden * kdim
+        for a in range(heads):
+            _gather(tmp, buf, a, hidden, poff, kdim, dim_l)
+            for w in range(width):
+                zw, lw = zoff + (a * width + w) * dim_l, loff + (a * width + w) * size
+                lrow = lt[lw : lw + size]
+                for m in range(dim_l):
+                    s, row = zero, tmp[m]
+                    for r in range(size):
+                        s += lrow[r] * row[r]
+                    out[zw + m] = s
+
+
+@numba.njit(**_JIT)
+def _cross(glt, buf, z, blocks, heads, hidden, tmp):
+    """``glt += X(buf, z)``, the gradient of ``<E(z, L), buf>`` in ``L``: ``glt[a, w, h, k] += sum_m z[a, w, m]
+    buf[a H + h, poff + m K + k]`` per block."""
+    for b in range(blocks.shape[0]):
+        poff, kdim, dim_l, width, loff, zoff = blocks[b]
+        size = hidden * kdim
+        for a in range(heads):
+            _gather(tmp, buf, a, hidden, poff, kdim, dim_l)
+            for w in range(width):
+                zw, lw = zoff + (a * width + w) * dim_l, loff + (a * width + w) * size
+                grow = glt[lw : lw + size]
+                for m in range(dim_l):
+                    c, row = z[zw + m], tmp[m]
+                    for r in range(size):
+                        grow[r] += c * row[r]
+
+
+# ------------------------------------------------------------------ kernels: one pass over the nodes of a group
+
+
+@numba.njit(**_JIT)
+def node_expand(y, a, z, lt, blocks, heads, hidden, rowptr, gi, groups, out_t, out_r):
+    """With ``Q_i = E(z_i, L)`` for the edges ``e -> i`` of the nodes of group ``gi``: ``out_t[e J + j] =
+    sum_p y[e, p] Q_i[j, p]`` (if ``y`` has rows) and ``out_r[e, p] = sum_j a[e J + j] Q_i[j, p]`` (if ``a`` has
+    entries); ``Q_i`` is built once per node, in cache."""
+    nodes, width = rowptr.shape[0] - 1, heads * hidden
+    paths = y.shape[1] if y.shape[0] else out_r.shape[1]
+    zero = np.zeros(1, z.dtype)[0]
+    buf, tmp = np.empty((width, paths), z.dtype), _scratch(blocks, hidden, z)
+    for i in range(gi * nodes // groups, (gi + 1) * nodes // groups):
+        start, stop = rowptr[i], rowptr[i + 1]
+        if stop == start:
+            continue
+        _expand(buf, z[i], lt, blocks, heads, hidden, tmp)
+        if y.shape[0]:
+            out_t[start * width : stop * width] = 0.0
+            _dots(out_t, start * width, width, y, start, stop - start, buf, width, paths, zero)
+        if a.shape[0]:
+            out_r[start:stop] = 0.0
+            _mac(out_r, start, stop - start, buf, 0, width, a, start * width, width, 1, paths)
+
+
+@numba.njit(**_JIT)
+def node_outer(a, y, lt, z, blocks, heads, hidden, rowptr, gi, groups, out_o, glt_groups):
+    """With ``U_i = sum_{e -> i} a_e^T y_e`` for the nodes ``i`` of group ``gi``: ``out_o[i] = R(U_i, L)`` (if
+    ``lt`` has entries) and ``glt_groups[gi] = sum_i X(U_i, z_i)`` (if ``z`` has rows; summed over the groups in
+    order afterwards: bitwise repeatable); ``U_i`` is built once per node, in cache."""
+    nodes, paths, width = rowptr.shape[0] - 1, y.shape[1], heads * hidden
+    zero = np.zeros(1, y.dtype)[0]
+    buf, tmp = np.empty((width, paths), y.dtype), _scratch(blocks, hidden, y)
+    if z.shape[0]:
+        glt_groups[gi] = 0.0
+    for i in range(gi * nodes // groups, (gi + 1) * nodes // groups):
+        start, stop = rowptr[i], rowptr[i + 1]
+        if stop == start:
+            if lt.shape[0]:
+                out_o[i] = 0.0
+            continue
+        buf[:, :] = 0.0
+        _mac(buf, 0, width, y, start, stop - start, a, start * width, 1, width, paths)
+        if lt.shape[0]:
+            _reduce(out_o[i], buf, lt, blocks, heads, hidden, tmp, zero)
+        if z.shape[0]:
+            _cross(glt_groups[gi], buf, z[i], blocks, heads, hidden, tmp)
+
+
+@numba.njit(**_JIT)
+def path_features(x, index, sh, s, tile, gi, groups, y):
+    """``y[e] = P(x[index[e]], sh[e])`` ``[E, paths]`` for the tiles of group ``gi``."""
+    num = sh.shape[0]
+    tiles = (num + tile - 1) // tile
+    xt = np.empty((x.shape[1], tile), x.dtype)
+    sht = np.empty((sh.shape[1], tile), x.dtype)
+    yt = np.empty((y.shape[1], tile), x.dtype)
+    for ti in range(gi * tiles // groups, (gi + 1) * tiles // groups):
+        e0 = ti * tile
+        n = min(tile, num - e0)
+        _load(x, index, e0, n, xt)
+        _load(sh, index[:0], e0, n, sht)
+        yt[:, :n] = 0.0
+        _paths(n, xt, sht, s, yt)
+        _store(yt, e0, n, y)
+
+
+@numba.njit(**_JIT)
+def path_features_backward(x, index, sh, grad, s, tile, gi, groups, gx_edges, gsh):
+    """The gradients of :func:`path_features` for ``grad`` ``[E, paths]``: of the gathered ``x`` per edge
+    (``gx_edges``) and of ``sh``, for the tiles of group ``gi``."""
+    num = sh.shape[0]
+    tiles = (num + tile - 1) // tile
+    xt = np.empty((x.shape[1], tile), x.dtype)
+    sht = np.empty((sh.shape[1], tile), x.dtype)
+    gt = np.empty((grad.shape[1], tile), x.dtype)
+    gxt = np.empty((x.shape[1], tile), x.dtype)
+    gsht = np.empty((sh.shape[1], tile), x.dtype)
+    for ti in range(gi * tiles // groups, (gi + 1) * tiles // groups):
+        e0 = ti * tile
+        n = min(tile, num - e0)
+        _load(x, index, e0, n, xt)
+        _load(sh, index[:0], e0, n, sht)
+        _load(grad, index[:0], e0, n, gt)
+        gxt[:, :n] = 0.0
+        gsht[:, :n] = 0.0
+        _paths_backward(n, gt, xt, sht, s, gxt, gsht)
+        _store(gxt, e0, n, gx_edges)
+        _store(gsht, e0, n, gsh)

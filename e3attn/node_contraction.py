@@ -1,0 +1,113 @@
+r"""Attention with the radial networks' last layers contracted at the nodes instead of on every edge."""
+from __future__ import annotations
+
+from typing import Callable, List, Tuple
+
+import torch
+
+from .heads import MultiHeadDot, head_index
+from .kernels import segment_ops
+from .kernels.layout import layout_for
+from .tensor_product import SphericalTensorProduct
+
+__all__ = ["NodeContraction"]
+
+
+class NodeContraction(torch.nn.Module):
+    r"""Keys and values of :class:`~e3attn.attention.EquivariantAttention` contracted with their weights per node.
+
+    The weights of an edge are :math:`w^{(t)}_e = h^{(t)}_e L^{(t)}`, linear in the few hidden features
+    :math:`h_e` of its radial network, and keys and values are linear in :math:`w` and in the path
+    features :math:`y_e = P(f_{\mathrm{src}(e)}, Y_e)` (:class:`~e3attn.tensor_product.SphericalTensorProduct`,
+    degree group :math:`g`, path :math:`k`, component :math:`m`). So both sides of the attention can take
+    the sum over the weights' columns :math:`w` at the nodes, once per node instead of once per edge. For
+    the logits, with :math:`\tilde q_i` the projected query of node :math:`i` in the layout of the keys:
+
+    .. math::
+
+        s_{e, a} = \sum_h h^{(k)}_{e, h} \sum_p y_{e, p}\, Q_{i, a h p}, \qquad
+        Q_{i, a h (g k m)} = \sum_{w \in a} L^{(k)}_{h, (g k w)}\, \tilde q_{i, (g w m)}
+
+    and for the output, with :math:`\beta_{e, a}` the attention weight of head :math:`a`
+    (:math:`\sqrt{\alpha}` or :math:`\alpha`):
+
+    .. math::
+
+        U_{i, a h p} = \sum_{e \to i} \beta_{e, a}\, h^{(v)}_{e, h}\, y_{e, p}, \qquad
+        f'_{i, (g w m)} = \sum_{h, k} L^{(v)}_{h, (g k w)}\, U_{i, a(w) h (g k m)}
+
+    Per node :math:`i`, :math:`Q_i` and :math:`U_i` (``[heads * hidden, paths]``) are built in cache by the
+    kernels of :mod:`e3attn.kernels.segment_ops` and never stored: ``node_expand`` builds :math:`Q_i` and
+    contracts it with the path features of the node's incoming edges, ``node_outer`` sums :math:`U_i` over them
+    and contracts it with :math:`L^{(v)}`. Two kernels, each the other's derivative, do all the work of keys and
+    values, to any order of derivative. Per edge that is about 2.8x (forward) and 4x (backward) fewer operations
+    than forming the weights :math:`w_e` of every edge for the e3nn guide's layer, and no per-edge keys,
+    values or weights are stored, only the path features :math:`y_e`. The edges must be sorted by destination
+    (``rowptr``, the CSR layout of the layer's graph). The module holds only index tensors (non-persistent
+    buffers): the layout of the keys and values per block of the product.
+
+    Args:
+        tp: the layer's product, outputs ``[keys, values]``.
+        dot: the layer's query-key product (its head layout of the keys).
+        num_heads: number of heads.
+        hidden: hidden size of the radial networks.
+
+    Example::
+
+        >>> tp = SphericalTensorProduct("4x0e + 2x1o", "1x0e + 1x1o", ["2x0e + 2x1o", "2x0e + 2x1o"])
+        >>> nodes = NodeContraction(tp, MultiHeadDot("2x0e + 2x1o", "2x0e + 2x1o"), num_heads=1, hidden=8)
+        >>> nodes.num_paths  # per edge: 4 + 2 paths into 0e, (4 + 2) x 3 components into 1o
+        24
+    """
+
+    def __init__(self, tp: SphericalTensorProduct, dot: MultiHeadDot, num_heads: int, hidden: int) -> None:
+        super().__init__()
+        layout = layout_for(tp._spec)
+        self.spec, self.num_heads, self.hidden, self.num_paths = tp._spec, num_heads, hidden, layout.num_paths
+        key_dim = tp.irreps_outs[0].dim
+        # position of every key column in the flattened [heads, D] layout of ``dot.key_heads``
+        columns = dot.key_heads(torch.arange(key_dim, dtype=torch.float64)[None])[0].long().reshape(-1)
+        key_position = torch.empty(key_dim, dtype=torch.long)
+        key_position[columns] = torch.arange(key_dim)
+        heads_of = [key_position // max(1, key_dim // num_heads), head_index(tp.irreps_outs[1], num_heads)]
+        tables: List[List[List[int]]] = [[], []]
+        z_index: List[List[torch.Tensor]] = [[], []]
+        l_index: List[List[torch.Tensor]] = [[], []]
+        for t, poff, k, dim_l, width, woff, coff in layout.blocks.tolist():
+            first = torch.as_tensor(layout.channels[coff : coff + width]) - layout.out_offsets[t]
+            order = torch.argsort(heads_of[t][first] * width + torch.arange(width)).reshape(num_heads, -1)
+            cols = first[order][..., None] + torch.arange(dim_l)  # [heads, W / heads, 2l+1]
+            tables[t].append([poff, k, dim_l, width // num_heads, sum(map(len, l_index[t])), sum(map(len, z_index[t]))])
+            z_index[t].append((key_position[cols] if t == 0 else cols).reshape(-1))
+            # L[h, woff + k W + w] at [heads, W / heads, hidden, K]
+            numel = layout.weight_numel[t]
+            l_index[t].append((torch.arange(hidden)[:, None] * numel + woff + torch.arange(k)[None, :] * width
+                               + order[:, :, None, None]).reshape(-1))
+        self._dims = []
+        for t, name in enumerate(("key", "value")):
+            cat = [torch.cat(ix) if ix else torch.zeros(0, dtype=torch.long) for ix in (z_index[t], l_index[t])]
+            self.register_buffer(f"_{name}_columns", cat[0], persistent=False)
+            self.register_buffer(f"_{name}_weights", cat[1], persistent=False)
+            self.register_buffer(f"_{name}_blocks", torch.tensor(tables[t], dtype=torch.long).reshape(-1, 6),
+                                 persistent=False)
+            self._dims.append([num_heads, hidden, self.num_paths, cat[0].numel(), cat[1].numel()])
+        self.register_buffer("_value_order", torch.argsort(self._value_columns), persistent=False)
+
+    def attend(self, f: torch.Tensor, index: torch.Tensor, sh: torch.Tensor, hidden: List[torch.Tensor],
+               linear: List[torch.Tensor], q: torch.Tensor, log_c: torch.Tensor, rowptr: torch.Tensor,
+               weight_fn: Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The output ``[N, out]`` and the attention ``[E, heads]`` for edges sorted by destination (``rowptr``):
+        ``f [N, in]``, ``index [E]`` (source nodes), ``sh [E, sh]``, the radial networks' ``hidden [E, h]``
+        and last layers ``linear [h, weight_numel]`` (keys, values), ``q [N, heads, D]`` the projected
+        queries, ``log_c [E]``, and ``weight_fn(logits) -> (alpha, beta)`` the segment softmax."""
+        y = segment_ops.path_features(self.spec, f, index, sh)
+        zk = q.flatten(1).index_select(1, self._key_columns)
+        lk = linear[0].reshape(-1).index_select(0, self._key_weights)
+        t = segment_ops.node_expand(y, None, zk, lk, self._key_blocks, rowptr, self._dims[0])[0]  # [E, heads * hidden]
+        e, heads = t.shape[0], self.num_heads
+        logits = (t.reshape(e, heads, self.hidden) * hidden[0][:, None, :]).sum(-1) + log_c[:, None]
+        alpha, beta = weight_fn(logits)
+        a = (beta[:, :, None] * hidden[1][:, None, :]).flatten(1)
+        lv = linear[1].reshape(-1).index_select(0, self._value_weights)
+        out = segment_ops.node_outer(a, y, lv, None, self._value_blocks, rowptr, self._dims[1])[0]
+        return out.index_select(1, self._value_order), alpha

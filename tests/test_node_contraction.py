@@ -1,0 +1,247 @@
+"""The attention with its radial weights contracted at the nodes (e3attn.node_contraction, e3attn.kernels.segment_ops):
+the operators against independent references and their own derivatives, the layer against the plain formulation
+(values, first and second derivatives) in float64, edge cases, repeatability, and where it applies."""
+import pytest
+import torch
+from e3nn import o3
+
+from e3attn import kernels, radius_graph
+from e3attn.attention import EquivariantAttention
+from e3attn.kernels import segment_ops
+from e3attn.tensor_product import SphericalTensorProduct
+
+pytest.importorskip("numba")
+
+# a small structure: two blocks (path offset, K, 2l+1, channels per head, L offset, z offset), paths 13-19 unused
+HEADS, HIDDEN, PATHS = 2, 3, 20
+BLOCKS = torch.tensor([[0, 4, 1, 2, 0, 0], [4, 3, 3, 1, 48, 4]])
+DIMS = [HEADS, HIDDEN, PATHS, 10, 66]
+DEGREES = torch.tensor([0, 3, 1, 0, 4, 2, 5])  # nodes 0 and 3 without incoming edges
+
+
+def _graph(degrees=DEGREES):
+    rowptr = torch.cat([torch.zeros(1, dtype=torch.long), degrees.cumsum(0)])
+    return rowptr, torch.repeat_interleave(torch.arange(degrees.shape[0]), degrees)
+
+
+def _expanded(z, lt):
+    """The reference :math:`Q_i = E(z_i, L)` ``[N, heads * hidden, paths]``, block by block from the definition."""
+    q = z.new_zeros(z.shape[0], HEADS, HIDDEN, PATHS)
+    for poff, k, dim_l, width, loff, zoff in BLOCKS.tolist():
+        zb = z[:, zoff : zoff + HEADS * width * dim_l].reshape(-1, HEADS, width, dim_l)
+        lb = lt[loff : loff + HEADS * width * HIDDEN * k].reshape(HEADS, width, HIDDEN, k)
+        q[..., poff : poff + k * dim_l] = torch.einsum("nawm,awhk->nahmk", zb, lb).reshape(-1, HEADS, HIDDEN, k * dim_l)
+    return q.reshape(z.shape[0], HEADS * HIDDEN, PATHS)
+
+
+def _operands(seed=0, degrees=DEGREES):
+    g = torch.Generator().manual_seed(seed)
+    nodes, edges = degrees.shape[0], int(degrees.sum())
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
+
+    return rand(edges, PATHS), rand(edges, HEADS * HIDDEN), rand(nodes, DIMS[3]), rand(DIMS[4])
+
+
+def test_node_operators_equal_their_definitions():
+    rowptr, dst = _graph()
+    y, a, z, lt = _operands()
+    q = _expanded(z, lt)
+    t, r = segment_ops.node_expand(y, a, z, lt, BLOCKS, rowptr, DIMS)
+    torch.testing.assert_close(t, (y[:, None, :] * q[dst]).sum(-1), atol=1e-13, rtol=0)
+    torch.testing.assert_close(r, (a[:, :, None] * q[dst]).sum(1), atol=1e-13, rtol=0)
+    u = torch.zeros(z.shape[0], HEADS * HIDDEN, PATHS, dtype=torch.float64).index_add(0, dst, a[:, :, None] * y[:, None])
+    w = torch.randn(z.shape, dtype=torch.float64)
+    o, glt = segment_ops.node_outer(a, y, lt, w, BLOCKS, rowptr, DIMS)
+    # R is the adjoint of E and X the gradient of <E(z, L), U> in L: checked through autograd of the reference
+    (ref_o,) = torch.autograd.grad((_expanded(z, lt) * u.detach()).sum(), z, retain_graph=True)
+    (ref_glt,) = torch.autograd.grad((_expanded(w, lt) * u.detach()).sum(), lt)
+    torch.testing.assert_close(o, ref_o, atol=1e-13, rtol=0)
+    torch.testing.assert_close(glt, ref_glt, atol=1e-13, rtol=0)
+    assert torch.equal(o[[0, 3]], torch.zeros_like(o[[0, 3]]))  # no incoming edges: zero
+
+
+def test_node_operators_one_output_at_a_time():
+    rowptr, _ = _graph()
+    y, a, z, lt = (t.detach() for t in _operands(1))
+    t, r = segment_ops.node_expand(y, a, z, lt, BLOCKS, rowptr, DIMS)
+    assert torch.equal(segment_ops.node_expand(y, None, z, lt, BLOCKS, rowptr, DIMS)[0], t)
+    assert torch.equal(segment_ops.node_expand(None, a, z, lt, BLOCKS, rowptr, DIMS)[1], r)
+    o, g = segment_ops.node_outer(a, y, lt, z, BLOCKS, rowptr, DIMS)
+    assert torch.equal(segment_ops.node_outer(a, y, lt, None, BLOCKS, rowptr, DIMS)[0], o)
+    assert torch.equal(segment_ops.node_outer(a, y, None, z, BLOCKS, rowptr, DIMS)[1], g)
+    assert segment_ops.node_outer(a, y, None, z, BLOCKS, rowptr, DIMS)[0].numel() == 0
+
+
+def test_node_operators_gradcheck_and_gradgradcheck():
+    rowptr, _ = _graph(torch.tensor([2, 0, 3]))
+    y, a, z, lt = _operands(2, torch.tensor([2, 0, 3]))
+
+    def expand(y, a, z, lt):
+        return segment_ops.node_expand(y, a, z, lt, BLOCKS, rowptr, DIMS)
+
+    def outer(a, y, lt, z):
+        return segment_ops.node_outer(a, y, lt, z, BLOCKS, rowptr, DIMS)
+
+    for fn, args in ((expand, (y, a, z, lt)), (outer, (a, y, lt, z[:3].detach().clone().requires_grad_()))):
+        assert torch.autograd.gradcheck(fn, args)
+        assert torch.autograd.gradgradcheck(fn, args)
+
+
+def test_node_operators_pass_opcheck():
+    rowptr, _ = _graph()
+    y, a, z, lt = _operands(3)
+    for args in ((y, a, z, lt), (y, None, z, lt), (None, a, z, lt)):
+        torch.library.opcheck(segment_ops.node_expand, (*args, BLOCKS, rowptr, DIMS))
+    for lt_, z_ in ((lt, z), (lt, None), (None, z)):
+        torch.library.opcheck(segment_ops.node_outer, (a, y, lt_, z_, BLOCKS, rowptr, DIMS))
+    tp = SphericalTensorProduct("3x0e + 2x1o", o3.Irreps.spherical_harmonics(2), ["2x0e + 1x1o", "1x1o + 1x2e"])
+    x = torch.randn(5, 9, dtype=torch.float64, requires_grad=True)
+    sh = torch.randn(7, 9, dtype=torch.float64, requires_grad=True)
+    index = torch.tensor([0, 4, 1, 1, 2, 3, 0])
+    torch.library.opcheck(segment_ops.path_features, (tp._spec, x, index, sh))
+
+
+def test_path_features_equal_the_products_steps(float64_default):
+    """In the order (degree group, component, path) of the node kernels, with their first and second derivatives."""
+    tp = SphericalTensorProduct("3x0e + 2x1o + 1x2e", o3.Irreps.spherical_harmonics(2), ["2x0e + 1x1o", "1x2e"])
+    x, sh = torch.randn(5, tp.irreps_in.dim, requires_grad=True), torch.randn(7, 9, requires_grad=True)
+    index = torch.tensor([0, 4, 1, 1, 2, 3, 0])
+    ys = tp._products(x[index].T, sh.T, tp.constant("cg", torch.float64))
+    order, paths = segment_ops.component_major_paths(tp._spec)
+    reference = torch.cat([y.reshape(-1, 7) for y in ys if y is not None]).T  # (group, path, component)
+    got = segment_ops.path_features(tp._spec, x, index, sh)
+    torch.testing.assert_close(got[:, torch.as_tensor(order)], reference, atol=1e-14, rtol=0)
+    assert sorted(order.tolist()) == list(range(paths))
+    assert torch.autograd.gradcheck(lambda x, sh: segment_ops.path_features(tp._spec, x, index, sh), (x, sh))
+    assert torch.autograd.gradgradcheck(lambda x, sh: segment_ops.path_features(tp._spec, x, index, sh), (x, sh))
+
+
+def test_node_operators_refuse_what_would_read_out_of_range():
+    rowptr, _ = _graph()
+    y, a, z, lt = (t.detach() for t in _operands())
+    with pytest.raises(ValueError, match="rowptr must rise from 0"):
+        segment_ops.node_expand(y, None, z, lt, BLOCKS, rowptr.flip(0), DIMS)
+    with pytest.raises(ValueError, match="rowptr must be a 1-d int64"):
+        segment_ops.node_expand(y, None, z, lt, BLOCKS, rowptr.int(), DIMS)
+    with pytest.raises(ValueError, match=r"z must have shape \[6, 10\]"):  # one node fewer in rowptr than in z
+        segment_ops.node_expand(y, None, z, lt, BLOCKS, rowptr[:-1], DIMS)
+    with pytest.raises(ValueError, match="z must have shape"):
+        segment_ops.node_expand(y, None, z[:, :4], lt, BLOCKS, rowptr, DIMS)
+    with pytest.raises(ValueError, match="blocks does not fit"):
+        segment_ops.node_outer(a, y, lt, None, BLOCKS + 40, rowptr, DIMS)
+    with pytest.raises(IndexError, match="index must be in"):
+        tp = SphericalTensorProduct("2x0e", o3.Irreps.spherical_harmonics(1), ["1x0e"])
+        segment_ops.path_features(tp._spec, torch.randn(2, 2), torch.tensor([0, 2]), torch.randn(2, 4))
+
+
+LAYERS = [
+    (("10x0e + 5x1o", "11x0e + 4x1o", "12x0e + 3x1o", "14x0e + 6x1o"), 1, 3, "sqrt_alpha"),
+    (("4x0e + 2x1o + 2x2e", "4x0e + 2x1o", "2x0e + 4x1o + 2x2e", "6x0e + 2x1o + 4x2e + 2x1e"), 2, 2, "alpha"),
+    (("3x0e + 2x1o", "2x1o", "2x1o", "2x0e + 2x2e"), 2, 2, "sqrt_alpha"),  # keys use only some of the paths
+]
+
+
+def _layer(case, seed=0):
+    irreps, heads, lmax, aggregation = case
+    torch.manual_seed(seed)
+    return EquivariantAttention(*irreps, max_radius=1.3, num_heads=heads, lmax=lmax, aggregation=aggregation)
+
+
+def _plain(fn):
+    previous = kernels.set_fused_kernels(False)
+    try:
+        return fn()
+    finally:
+        kernels.set_fused_kernels(previous)
+
+
+@pytest.mark.parametrize("case", LAYERS)
+def test_layer_at_the_nodes_equals_the_plain_formulation(case, float64_default):
+    """Output, attention and the force-training gradients (second derivatives in the positions)."""
+    layer = _layer(case)
+    pos, f = torch.randn(24, 3), layer.irreps_input.randn(24, -1)
+    assert kernels.segments_enabled(pos.device, pos.dtype)
+
+    def step():
+        p, x = pos.clone().requires_grad_(), f.clone().requires_grad_()
+        out, alpha = layer(x, p, return_attention=True)
+        energy = out.pow(2).sum()
+        forces = torch.autograd.grad(energy, p, create_graph=True)[0]
+        grads = torch.autograd.grad(energy.pow(2) + forces.pow(2).sum() + alpha.sum(), [x, p, *layer.parameters()])
+        return (out, alpha, *grads)
+
+    for got, ref in zip(step(), _plain(step)):
+        torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-10)
+
+
+def test_layer_at_the_nodes_with_unsorted_edges_isolated_nodes_and_duplicates(float64_default):
+    layer = _layer(LAYERS[1])
+    pos = torch.cat([torch.randn(9, 3), torch.full((1, 3), 50.0)])  # node 9 is isolated
+    pos[8] = pos[7]  # two coincident points
+    f = layer.irreps_input.randn(10, -1)
+    edge_index = radius_graph(pos, 1.3)
+    perm = torch.randperm(edge_index.shape[1], generator=torch.Generator().manual_seed(0))
+    out, alpha = layer(f, pos, edge_index[:, perm], return_attention=True)
+    ref, ref_alpha = _plain(lambda: layer(f, pos, edge_index, return_attention=True))
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    torch.testing.assert_close(alpha, ref_alpha[perm], atol=1e-12, rtol=0)  # in the order the edges were given
+    assert torch.equal(out[9], torch.zeros_like(out[9]))
+
+
+@pytest.mark.parametrize("nodes", [0, 1])
+def test_layer_at_the_nodes_without_edges(nodes, float64_default):
+    layer = _layer(LAYERS[0])
+    pos = torch.randn(nodes, 3, requires_grad=True)
+    f = layer.irreps_input.randn(nodes, -1, requires_grad=True)
+    out, alpha = layer(f, pos, return_attention=True)
+    assert out.shape == (nodes, layer.irreps_output.dim) and alpha.shape == (0, 1)
+    assert torch.equal(out, torch.zeros_like(out))
+    grads = torch.autograd.grad(out.sum(), [f, pos, *layer.parameters()], allow_unused=True)
+    assert all(g is None or torch.isfinite(g).all() for g in grads)
+
+
+def _across_threads(fn, counts=(1, 2, 2)):
+    before, results = torch.get_num_threads(), []
+    try:
+        for threads in counts:
+            torch.set_num_threads(threads)
+            results.append(fn())
+    finally:
+        torch.set_num_threads(before)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+
+
+def test_node_operators_are_bitwise_repeatable_for_any_number_of_threads():
+    """The sum of the weight gradient runs per fixed group of nodes; everything else is written once per node."""
+    rowptr, _ = _graph(torch.randint(0, 6, (50,), generator=torch.Generator().manual_seed(0)))
+    y, a, z, lt = (t.detach().float() for t in _operands(0, rowptr.diff()))
+    _across_threads(lambda: [*segment_ops.node_expand(y, a, z, lt, BLOCKS, rowptr, DIMS),
+                             *segment_ops.node_outer(a, y, lt, z, BLOCKS, rowptr, DIMS)])
+
+
+def test_layer_at_the_nodes_is_bitwise_repeatable_run_to_run():
+    # (across numbers of threads, PyTorch's own matrix products may round differently)
+    layer = _layer(LAYERS[1])
+    pos, f = torch.randn(40, 3), layer.irreps_input.randn(40, -1)
+
+    def run():
+        p = pos.clone().requires_grad_()
+        out = layer(f, p)
+        return [out, *torch.autograd.grad(out.pow(2).sum(), [p, *layer.parameters()])]
+
+    for threads in (1, 2):
+        _across_threads(run, (threads, threads))
+
+
+def test_where_the_layer_contracts_at_the_nodes():
+    cpu = torch.device("cpu")
+    assert kernels.segments_enabled(cpu, torch.float32) and kernels.segments_enabled(cpu, torch.float64)
+    assert not kernels.segments_enabled(cpu, torch.bfloat16)
+    assert not kernels.segments_enabled(torch.device("cuda"), torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not kernels.segments_enabled(cpu, torch.float32)
+    assert _plain(lambda: kernels.segments_enabled(cpu, torch.float32)) is False
