@@ -1,8 +1,16 @@
-r"""The fused tensor-product kernels against the machine's arithmetic peak (a roofline in one run).
+r"""The CPU kernels against the machine's arithmetic peak (a roofline in one run).
 
 For the layer of ``benchmarks/layer.py`` (configurations ``guide`` and ``large``, same graphs), this script
 times the custom operators alone on the layer's own inputs, the gathered node features, the spherical
-harmonics, the radial network's hidden features and its folded last layers:
+harmonics, the radial network's hidden features and its folded last layers. The kernels the layer runs on
+the CPU, its radial weights contracted at the nodes (:class:`e3attn.node_contraction.NodeContraction`):
+
+* ``node_forward``: ``e3attn::path_features``, ``e3attn::node_expand`` (the logits' contraction) and
+  ``e3attn::node_outer`` (the output), as in the layer's forward;
+* ``node_backward``: the calls of the layer's backward (the path features' gradient, two ``node_expand`` and
+  two ``node_outer``), all gradients;
+
+and the fused tensor product (keys and values per edge), which runs elsewhere (e.g. ``forward_factored``):
 
 * ``forward``: ``e3attn::fused_product`` (keys and values of every edge);
 * ``backward``: ``e3attn::fused_product_backward``, all four gradients (features, harmonics, hidden
@@ -16,7 +24,7 @@ and reports GFLOP/s next to two references measured in the same process with the
 * ``blas``: the weight product of the layer, :math:`w = h L` for all edges ``[E, hidden] @ [hidden, numel]``,
   as one ``torch.mm``: the same arithmetic as the kernels' dominant part, in the BLAS's hands.
 
-The ``floor_ms`` column is the time the kernels would need at the ``peak`` rate: no implementation of the same
+The ``floor_ms`` columns are the time the kernels would need at the ``peak`` rate: no implementation of the same
 arithmetic can beat it on this machine. Times are medians of ``--repeats`` calls after a warm-up call, the
 measurements taking turns.
 
@@ -45,7 +53,7 @@ for path in (ROOT, ROOT / "benchmarks"):  # run from a checkout without installi
 from dense_vs_sparse import cpu_name  # noqa: E402
 from layer import CONFIGS, DEFAULTS, build, write  # noqa: E402
 
-from e3attn.kernels import ops  # noqa: E402
+from e3attn.kernels import ops, segment_ops  # noqa: E402
 from e3attn.kernels.layout import KernelLayout, layout_for  # noqa: E402
 
 
@@ -69,8 +77,55 @@ def flops(layout: KernelLayout, hidden_sizes: Sequence[int]) -> Dict[str, int]:
     return {"forward": forward, "backward": backward, "weights_forward": weights, "weights_backward": 3 * weights}
 
 
+def node_flops(layer, layout: KernelLayout, edges: int, num_nodes: int) -> Dict[str, int]:
+    r"""Floating-point operations of the layer's kernels at the nodes (:mod:`e3attn.kernels.segments`), in all.
+
+    Per edge, with :math:`J` = heads x hidden and :math:`P` paths, each of :math:`D(y, Q)`, :math:`C(a, Q)` and
+    the sum :math:`U = \sum a^T y` costs :math:`2JP`; per node and block of an output (:math:`K` paths,
+    :math:`W` channels, :math:`2l+1` components), each of :math:`E`, :math:`R` and :math:`X` costs
+    :math:`2 H K W (2l+1)`. The forward runs :math:`D + U` per edge, :math:`E` (keys) and :math:`R` (values) per
+    node; the backward :math:`D + 2C + 2U` per edge, :math:`E + R + X` (keys) and :math:`E + X` (values) per node;
+    the path features cost 3 (forward) and 5 (backward) per Clebsch-Gordan coefficient and edge.
+    """
+    nodes = layer.nodes
+    per_edge = 2 * nodes.num_heads * nodes.hidden * nodes.num_paths
+    keys, values = (2 * nodes.hidden * sum(int(k) * int(w) * int(m) for t, _, k, m, w, _, _ in layout.blocks if t == out)
+                    for out in (0, 1))
+    coefficients = len(layout.path_c)
+    return {"node_forward": edges * (2 * per_edge + 3 * coefficients) + num_nodes * (keys + values),
+            "node_backward": edges * (5 * per_edge + 5 * coefficients) + num_nodes * (3 * keys + 2 * values)}
+
+
+def node_calls(layer, x, src, dst, sh, seed: int) -> Dict[str, Callable[[], object]]:
+    """The layer's calls of the node kernels in its forward and in its backward, on the layer's inputs (random
+    gradients and attention weights: the kernels' time does not depend on the values)."""
+    nodes, num = layer.nodes, sh.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        keys, values = layer.radial.output_layers()
+        lk = keys.reshape(-1).index_select(0, nodes._key_weights)
+        lv = values.reshape(-1).index_select(0, nodes._value_weights)
+        zk = layer.dot.project_query(layer.query(x)).flatten(1).index_select(1, nodes._key_columns)
+        y = segment_ops.path_features(nodes.spec, x, src, sh)
+    assert bool((dst[1:] >= dst[:-1]).all()), "the graphs of layer.py are sorted by destination"
+    rowptr = torch.searchsorted(dst, torch.arange(x.shape[0] + 1))
+    a, gt = (torch.randn(num, nodes.num_heads * nodes.hidden, generator=g) for _ in range(2))
+    go, gy = torch.randn(x.shape[0], nodes._dims[1][3], generator=g), torch.randn(y.shape, generator=g)
+    (kb, kd), (vb, vd) = (nodes._key_blocks, nodes._dims[0]), (nodes._value_blocks, nodes._dims[1])
+    return {
+        "node_forward": lambda: (segment_ops.path_features(nodes.spec, x, src, sh),
+                                 segment_ops.node_expand(y, None, zk, lk, kb, rowptr, kd),
+                                 segment_ops.node_outer(a, y, lv, None, vb, rowptr, vd)),
+        "node_backward": lambda: (segment_ops.path_features_backward(nodes.spec, x, src, sh, gy, [True, True]),
+                                  segment_ops.node_expand(y, a, go, lv, vb, rowptr, vd),
+                                  segment_ops.node_outer(a, y, None, go, vb, rowptr, vd),
+                                  segment_ops.node_expand(None, gt, zk, lk, kb, rowptr, kd),
+                                  segment_ops.node_outer(gt, y, lk, zk, kb, rowptr, kd)),
+    }
+
+
 def kernel_inputs(config: str, n: int, degree: float, seed: int):
-    """The layer's product spec and the operators' inputs for one case of ``layer.py``."""
+    """The layer, the destinations of its edges and the fused product's inputs for one case of ``layer.py``."""
     models, f, pos, edge_index = build(config, n, degree, torch.device("cpu"), seed)
     layer = models["e3attn"]
     src, dst = edge_index
@@ -80,7 +135,7 @@ def kernel_inputs(config: str, n: int, degree: float, seed: int):
         sh = layer.sh(edge_vec)
         linear = torch.cat([w.reshape(-1) for w in layer.radial.output_layers()])
     sizes = [h.shape[1] for h in hidden]
-    return layer.tp._spec, (f.detach(), src, sh, torch.cat(hidden, dim=1), linear, sizes)
+    return layer, dst, (f.detach(), src, sh, torch.cat(hidden, dim=1), linear, sizes)
 
 
 def median_ms(calls: Dict[str, Callable[[], object]], repeats: int) -> Dict[str, float]:
@@ -99,16 +154,19 @@ def median_ms(calls: Dict[str, Callable[[], object]], repeats: int) -> Dict[str,
 def run_case(config: str, n: int, threads: int, args: argparse.Namespace) -> dict:
     """One row: the kernels' times and rates against the peak and the BLAS on the same weight product."""
     torch.set_num_threads(threads)
-    spec, (x, index, sh, hidden, linear, sizes) = kernel_inputs(config, n, args.degree, args.seed)
+    layer, dst, (x, index, sh, hidden, linear, sizes) = kernel_inputs(config, n, args.degree, args.seed)
+    spec = layer.tp._spec
     layout = layout_for(spec)
     edges = sh.shape[0]
     count = flops(layout, sizes)
+    node_count = node_flops(layer, layout, edges, n)
     grad = torch.randn(edges, layout.out_dim, generator=torch.Generator().manual_seed(args.seed))
     square = torch.randn(1024, 1024)
     # the weight product w = h L of every output, as one matrix product per output
     parts = list(zip(hidden.split(sizes, dim=1), linear.split([h * m for h, m in zip(sizes, layout.weight_numel)])))
     factors = [(h.contiguous(), w.reshape(h.shape[1], -1)) for h, w in parts]
     calls = {
+        **node_calls(layer, x, index, dst, sh, args.seed),
         "forward": lambda: ops.fused_product(spec, 0, x, index, sh, hidden, linear, sizes),
         "backward": lambda: ops.fused_product_backward(spec, 0, x, index, sh, hidden, linear, sizes, grad,
                                                        [True] * 4),
@@ -117,20 +175,23 @@ def run_case(config: str, n: int, threads: int, args: argparse.Namespace) -> dic
     }
     times = median_ms(calls, args.repeats)
     rate = {name: count[name] * edges / (times[name] * 1e6) for name in ("forward", "backward")}
+    rate.update({name: node_count[name] / (times[name] * 1e6) for name in node_count})
     peak = 2 * 1024**3 / (times["peak"] * 1e6)
     blas = count["weights_forward"] * edges / (times["blas"] * 1e6)
     row = {"config": config, "nodes": n, "edges": edges, "threads": threads, "flops_per_edge": count,
-           **{f"{k}_ms": v for k, v in times.items()}, "forward_gflops": rate["forward"],
-           "backward_gflops": rate["backward"], "peak_gflops": peak, "blas_gflops": blas,
-           "floor_ms": (count["forward"] + count["backward"]) * edges / (peak * 1e6)}
-    print(f"{config:>6} {n:>6} {edges:>8} {threads:>3} {times['forward']:9.2f} {rate['forward']:7.1f} "
-          f"{times['backward']:9.2f} {rate['backward']:7.1f} {blas:7.1f} {peak:7.1f} {row['floor_ms']:9.2f}",
-          flush=True)
+           "node_flops": node_count, **{f"{k}_ms": v for k, v in times.items()},
+           **{f"{k}_gflops": v for k, v in rate.items()}, "peak_gflops": peak, "blas_gflops": blas,
+           "floor_ms": (count["forward"] + count["backward"]) * edges / (peak * 1e6),
+           "node_floor_ms": sum(node_count.values()) / (peak * 1e6)}
+    print(f"{config:>6} {n:>6} {edges:>8} {threads:>3} "
+          + " ".join(f"{times[k]:9.2f} {rate[k]:7.1f}" for k in ("node_forward", "node_backward", "forward", "backward"))
+          + f" {blas:7.1f} {peak:7.1f} {row['node_floor_ms']:9.2f} {row['floor_ms']:9.2f}", flush=True)
     return row
 
 
-HEADER = (f"{'config':>6} {'nodes':>6} {'edges':>8} {'thr':>3} {'fwd ms':>9} {'GFLOP/s':>7} {'bwd ms':>9} "
-          f"{'GFLOP/s':>7} {'blas':>7} {'peak':>7} {'floor ms':>9}")
+HEADER = (f"{'config':>6} {'nodes':>6} {'edges':>8} {'thr':>3} "
+          + " ".join(f"{name + ' ms':>9} {'GFLOP/s':>7}" for name in ("node fwd", "node bwd", "fwd", "bwd"))
+          + f" {'blas':>7} {'peak':>7} {'node flr':>9} {'floor ms':>9}")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -155,7 +216,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     """Run every case, print the table, write the JSON."""
     args = parse_args(argv)
-    print(f"device {cpu_name()} (cpu), float32; GFLOP/s of the kernels, of the BLAS on w = h L, of a 1024^3 mm")
+    print(f"device {cpu_name()} (cpu), float32; GFLOP/s of the layer's kernels at the nodes, of the fused product, "
+          "of the BLAS on w = h L, of a 1024^3 mm; floors at the peak (ms)")
     print(HEADER)
     rows = [run_case(config, n, threads, args) for config in args.configs
             for n in (args.sizes or DEFAULTS[config]["sizes"]) for threads in args.threads]

@@ -244,8 +244,15 @@ def test_kernels_benchmark_counts_the_weight_products_and_runs(tmp_path):
     expected = sum(2 * layer.radial.hidden * n for n in layer.tp.weight_numel)
     assert row["flops_per_edge"]["weights_forward"] == expected
     assert row["flops_per_edge"]["backward"] > 3 * expected
-    for key in ("forward_gflops", "backward_gflops", "peak_gflops", "blas_gflops", "floor_ms"):
+    for key in ("forward_gflops", "backward_gflops", "peak_gflops", "blas_gflops", "floor_ms",
+                "node_forward_gflops", "node_backward_gflops", "node_floor_ms"):
         assert row[key] > 0, key
+    # at the nodes: 15 paths into 0e (10 + 5) and 20 into 1o (10 + 5 + 5, 3 components) for 1 head x 16 hidden
+    assert layer.nodes.num_paths == 75
+    edges, nodes = row["edges"], row["nodes"]
+    assert row["node_flops"]["node_forward"] > edges * 2 * (2 * 16 * 75)  # D + U per edge, plus the rest
+    assert row["node_flops"]["node_forward"] < row["flops_per_edge"]["forward"] * edges  # the point of it
+    assert row["node_flops"]["node_backward"] < row["flops_per_edge"]["backward"] * edges
 
 
 @pytest.mark.slow

@@ -107,10 +107,18 @@ def _mac(out, out_off, n_out, rows, rows_off, n_rows, coef, base, out_stride, ro
                 c0[e] += a0 * x0[e]
                 c1[e] += b0 * x0[e]
         o += 2
-    if o < n_out:
-        c0 = out[out_off + o]
-        for r in range(n_rows):
-            a0, x0 = coef[base + o * out_stride + r * row_stride], rows[rows_off + r]
+    if o < n_out:  # a lone last output row: four input rows per pass
+        c0, i = out[out_off + o], base + o * out_stride
+        r = 0
+        while r + 4 <= n_rows:
+            a0, a1 = coef[i + r * row_stride], coef[i + (r + 1) * row_stride]
+            a2, a3 = coef[i + (r + 2) * row_stride], coef[i + (r + 3) * row_stride]
+            x0, x1, x2, x3 = rows[rows_off + r], rows[rows_off + r + 1], rows[rows_off + r + 2], rows[rows_off + r + 3]
+            for e in range(n):
+                c0[e] += a0 * x0[e] + a1 * x1[e] + a2 * x2[e] + a3 * x3[e]
+            r += 4
+        for r in range(r, n_rows):
+            a0, x0 = coef[i + r * row_stride], rows[rows_off + r]
             for e in range(n):
                 c0[e] += a0 * x0[e]
 
@@ -300,8 +308,6 @@ def backward(x, index, sh, hidden, lin, grad, s, tile, need_inputs, need_hidden,
             _paths_backward(n, gy, xt, sht, s, gxt, gsht)
             _store(gxt, e0, n, gx_edges)
             _store(gsht, e0, n, gsh)
-
-
 
 
 @numba.njit(**_JIT)

@@ -39,7 +39,7 @@ from .ops import _array, _forward_groups, _parallel
 
 __all__ = ["node_expand", "node_outer", "path_features", "path_features_backward"]
 
-_TILE = 64  # edges per tile of the path features
+_TILE = 64  # edges per tile of the path features (longer tiles measured slower: the tile leaves the cache)
 
 
 def _node_groups(rowptr: torch.Tensor) -> int:
@@ -168,10 +168,10 @@ def _path_arguments(spec: str, x: torch.Tensor, index: torch.Tensor, sh: torch.T
 def path_features(spec: str, x: torch.Tensor, index: torch.Tensor, sh: torch.Tensor) -> torch.Tensor:
     """:math:`P(x_{\\mathrm{index}}, Y)` ``[E, paths]`` of the product named by ``spec``."""
     data, structure, paths = _path_arguments(spec, x, index, sh)
-    out = sh.new_empty(sh.shape[0], paths)
-    groups = _forward_groups(sh.shape[0], _TILE)
+    out, tile = sh.new_empty(sh.shape[0], paths), _TILE
+    groups = _forward_groups(sh.shape[0], tile)
     array = out.numpy()
-    _parallel(lambda group: segments.path_features(*data, structure, _TILE, group, groups, array), groups)
+    _parallel(lambda group: segments.path_features(*data, structure, tile, group, groups, array), groups)
     return out
 
 
@@ -182,9 +182,10 @@ def path_features_backward(spec: str, x: torch.Tensor, index: torch.Tensor, sh: 
     data, structure, paths = _path_arguments(spec, x, index, sh)
     _check("grad", grad, (sh.shape[0], paths))
     gx_edges, gsh = x.new_empty(sh.shape[0], x.shape[1]), sh.new_empty(sh.shape)
-    groups = _forward_groups(sh.shape[0], _TILE)
+    tile = _TILE
+    groups = _forward_groups(sh.shape[0], tile)
     arrays = (gx_edges.numpy(), gsh.numpy())
-    _parallel(lambda group: segments.path_features_backward(*data, _array(grad), structure, _TILE, group, groups,
+    _parallel(lambda group: segments.path_features_backward(*data, _array(grad), structure, tile, group, groups,
                                                             *arrays), groups)
     gx = torch.zeros_like(x).index_add_(0, index, gx_edges) if needs[0] else x.new_empty(0)
     return gx, gsh if needs[1] else sh.new_empty(0)

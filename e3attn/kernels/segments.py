@@ -53,20 +53,16 @@ def _gather(tmp, buf, a, hidden, poff, kdim, dim_l):
 
 @numba.njit(**_JIT)
 def _expand(buf, z, lt, blocks, heads, hidden, tmp):
-    """``buf [J, P] = E(z, L)``: ``buf[a H + h, poff + m K + k] = sum_w z[a, w, m] lt[a, w, h, k]`` per block."""
+    """``buf [J, P] = E(z, L)``: ``buf[a H + h, poff + m K + k] = sum_w z[a, w, m] lt[a, w, h, k]`` per block,
+    per head a small matrix product ``tmp [2l+1, H K] = z_a^T lt_a`` along rows of ``H K``, then copied in."""
     buf[:, :] = 0.0
     for b in range(blocks.shape[0]):
         poff, kdim, dim_l, width, loff, zoff = blocks[b]
         size = hidden * kdim
         for a in range(heads):
             tmp[:dim_l, :size] = 0.0
-            for w in range(width):
-                zw, lw = zoff + (a * width + w) * dim_l, loff + (a * width + w) * size
-                lrow = lt[lw : lw + size]  # a view: the inner loop then vectorises
-                for m in range(dim_l):
-                    c, row = z[zw + m], tmp[m]
-                    for r in range(size):
-                        row[r] += c * lrow[r]
+            rows = lt[loff + a * width * size : loff + (a + 1) * width * size].reshape(width, size)
+            _mac(tmp, 0, dim_l, rows, 0, width, z, zoff + a * width * dim_l, 1, dim_l, size)
             for m in range(dim_l):
                 for h in range(hidden):
                     src, dst = tmp[m, h * kdim :], buf[a * hidden + h, poff + m * kdim :]
@@ -75,40 +71,32 @@ def _expand(buf, z, lt, blocks, heads, hidden, tmp):
 
 
 @numba.njit(**_JIT)
-def _reduce(out, buf, lt, blocks, heads, hidden, tmp, zero):
+def _reduce(out, buf, lt, blocks, heads, hidden, tmp):
     """``out = R(buf, L)``, the adjoint of :func:`_expand`: ``out[a, w, m] = sum_hk lt[a, w, h, k] buf[a H + h,
-    poff + m K + k]`` per block."""
+    poff + m K + k]`` per block (rows of ``H K`` dotted)."""
+    zero = np.zeros(1, out.dtype)[0]
     for b in range(blocks.shape[0]):
         poff, kdim, dim_l, width, loff, zoff = blocks[b]
         size = hidden * kdim
         for a in range(heads):
             _gather(tmp, buf, a, hidden, poff, kdim, dim_l)
-            for w in range(width):
-                zw, lw = zoff + (a * width + w) * dim_l, loff + (a * width + w) * size
-                lrow = lt[lw : lw + size]
-                for m in range(dim_l):
-                    s, row = zero, tmp[m]
-                    for r in range(size):
-                        s += lrow[r] * row[r]
-                    out[zw + m] = s
+            rows = lt[loff + a * width * size : loff + (a + 1) * width * size].reshape(width, size)
+            start = zoff + a * width * dim_l
+            out[start : start + width * dim_l] = 0.0
+            _dots(out, start, dim_l, rows, 0, width, tmp, dim_l, size, zero)
 
 
 @numba.njit(**_JIT)
 def _cross(glt, buf, z, blocks, heads, hidden, tmp):
     """``glt += X(buf, z)``, the gradient of ``<E(z, L), buf>`` in ``L``: ``glt[a, w, h, k] += sum_m z[a, w, m]
-    buf[a H + h, poff + m K + k]`` per block."""
+    buf[a H + h, poff + m K + k]`` per block (rows of ``H K``)."""
     for b in range(blocks.shape[0]):
         poff, kdim, dim_l, width, loff, zoff = blocks[b]
         size = hidden * kdim
         for a in range(heads):
             _gather(tmp, buf, a, hidden, poff, kdim, dim_l)
-            for w in range(width):
-                zw, lw = zoff + (a * width + w) * dim_l, loff + (a * width + w) * size
-                grow = glt[lw : lw + size]
-                for m in range(dim_l):
-                    c, row = z[zw + m], tmp[m]
-                    for r in range(size):
-                        grow[r] += c * row[r]
+            rows = glt[loff + a * width * size : loff + (a + 1) * width * size].reshape(width, size)
+            _mac(rows, 0, width, tmp, 0, dim_l, z, zoff + a * width * dim_l, dim_l, 1, size)
 
 
 # ------------------------------------------------------------------ kernels: one pass over the nodes of a group
@@ -142,7 +130,6 @@ def node_outer(a, y, lt, z, blocks, heads, hidden, rowptr, gi, groups, out_o, gl
     ``lt`` has entries) and ``glt_groups[gi] = sum_i X(U_i, z_i)`` (if ``z`` has rows; summed over the groups in
     order afterwards: bitwise repeatable); ``U_i`` is built once per node, in cache."""
     nodes, paths, width = rowptr.shape[0] - 1, y.shape[1], heads * hidden
-    zero = np.zeros(1, y.dtype)[0]
     buf, tmp = np.empty((width, paths), y.dtype), _scratch(blocks, hidden, y)
     if z.shape[0]:
         glt_groups[gi] = 0.0
@@ -155,7 +142,7 @@ def node_outer(a, y, lt, z, blocks, heads, hidden, rowptr, gi, groups, out_o, gl
         buf[:, :] = 0.0
         _mac(buf, 0, width, y, start, stop - start, a, start * width, 1, width, paths)
         if lt.shape[0]:
-            _reduce(out_o[i], buf, lt, blocks, heads, hidden, tmp, zero)
+            _reduce(out_o[i], buf, lt, blocks, heads, hidden, tmp)
         if z.shape[0]:
             _cross(glt_groups[gi], buf, z[i], blocks, heads, hidden, tmp)
 
