@@ -99,7 +99,8 @@ class NodeContraction(torch.nn.Module):
         """The output ``[N, out]`` and the attention ``[E, heads]`` for edges sorted by destination (``rowptr``):
         ``f [N, in]``, ``index [E]`` (source nodes), ``sh [E, sh]``, the radial networks' ``hidden [E, h]``
         and last layers ``linear [h, weight_numel]`` (keys, values), ``q [N, heads, D]`` the projected
-        queries, ``log_c [E]``, and ``weight_fn(logits) -> (alpha, beta)`` the segment softmax."""
+        queries, ``log_c [E]``, and ``weight_fn(logits) -> (alpha, beta)`` the segment softmax, which must
+        group the edges by the same destinations as ``rowptr`` (the kernels check ``rowptr`` itself, not that)."""
         y = segment_ops.path_features(self.spec, f, index, sh)
         zk = q.flatten(1).index_select(1, self._key_columns)
         lk = linear[0].reshape(-1).index_select(0, self._key_weights)

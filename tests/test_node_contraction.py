@@ -245,3 +245,44 @@ def test_where_the_layer_contracts_at_the_nodes():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not kernels.segments_enabled(cpu, torch.float32)
     assert _plain(lambda: kernels.segments_enabled(cpu, torch.float32)) is False
+
+
+def test_outputs_of_unreachable_blocks_and_of_no_nodes_are_zero(float64_default):
+    """Blocks without paths (K = 0) and graphs without nodes still write every output (no uninitialised memory)."""
+    layer = EquivariantAttention("2x0e", "2x0e", "2x0e", "2x1e", max_radius=1.3, lmax=1)  # values unreachable
+    pos, f = torch.randn(6, 3), layer.irreps_input.randn(6, -1)
+    out = layer(f, pos)
+    assert torch.equal(out, torch.zeros_like(out))
+    y, a, z = torch.randn(0, PATHS), torch.randn(0, HEADS * HIDDEN), torch.randn(0, DIMS[3])
+    rowptr = torch.zeros(1, dtype=torch.long)
+    _, glt = segment_ops.node_outer(a, y, None, z, BLOCKS, rowptr, DIMS)
+    assert torch.equal(glt, torch.zeros(DIMS[4]))
+
+
+@pytest.mark.parametrize("row, match", [
+    ([0, 4, 1, 2, 0, -10**12], "blocks does not fit"),  # a negative offset
+    ([0, 2**62, 4, 1, 0, 0], "blocks does not fit"),  # a product that overflows int64
+    ([-3, 4, 1, 2, 0, 0], "blocks does not fit"),
+])
+def test_node_operators_refuse_bad_block_tables(row, match):
+    rowptr, _ = _graph()
+    y, a, z, lt = (t.detach() for t in _operands())
+    with pytest.raises(ValueError, match=match):
+        segment_ops.node_expand(y, None, z, lt, torch.tensor([row]), rowptr, DIMS)
+    with pytest.raises(ValueError, match="int64"):
+        segment_ops.node_expand(y, None, z, lt, BLOCKS.int(), rowptr, DIMS)
+    with pytest.raises(ValueError, match="heads >= 1"):
+        segment_ops.node_expand(y, None, z, lt, BLOCKS, rowptr, [0, *DIMS[1:]])
+    with pytest.raises(ValueError, match="float32 or float64"):
+        segment_ops.node_expand(y.float(), None, z, lt, BLOCKS, rowptr, DIMS)
+
+
+def test_path_features_of_a_transposed_input_compile(float64_default):
+    """The gradient of ``x`` is contiguous whatever the strides of ``x`` (as the fake implementation says)."""
+    tp = SphericalTensorProduct("3x0e + 2x1o", o3.Irreps.spherical_harmonics(2), ["2x0e + 1x1o"])
+    x = torch.randn(9, 5, requires_grad=True)
+    sh, index = torch.randn(7, 9), torch.tensor([0, 4, 1, 1, 2, 3, 0])
+    paths = segment_ops.component_major_paths(tp._spec)[1]
+    torch.library.opcheck(segment_ops.path_features_backward, (tp._spec, x.T, index, sh, torch.randn(7, paths), [True, True]))
+    with pytest.raises(ValueError, match="float32 or float64"):
+        segment_ops.path_features(tp._spec, x.T.float(), index, sh)

@@ -71,21 +71,39 @@ def _node_arguments(edge_rows: Optional[torch.Tensor], y: Optional[torch.Tensor]
     heads, hidden, paths, zwidth, lsize = dims
     nodes = rowptr.shape[0] - 1
     num = next((t.shape[0] for t in (edge_rows, y) if t is not None), 0)
-    dtype = next(t for t in (edge_rows, y, z, lt) if t is not None).dtype
+    dtype = _common_dtype(**{"a": edge_rows, "y": y, "z": z, "lt": lt})
     arrays = []
     for name, t, shape in (("a", edge_rows, (num, heads * hidden)), ("y", y, (num, paths)), ("z", z, (nodes, zwidth)),
                            ("lt", lt, (lsize,))):
-        if t is not None and t.dtype != dtype:
-            raise ValueError(f"{name} must have dtype {dtype}, got {t.dtype}")
         array = _check(name, t, shape) if t is not None else np.empty((0,) + shape[1:], _NUMPY[dtype])
         arrays.append(array.reshape(-1) if name == "a" else array)
+    return arrays, _check_blocks(blocks, dims), _check_segments(rowptr, num, nodes)
+
+
+def _check_blocks(blocks: torch.Tensor, dims: List[int]) -> np.ndarray:
+    """The block table as an array, after checking (in Python integers) that it stays inside ``dims``."""
+    heads, hidden, paths, zwidth, lsize = dims
+    if blocks.dtype != torch.int64 or blocks.dim() != 2 or blocks.shape[1] != 6:
+        raise ValueError(f"blocks must be an int64 tensor [B, 6], got {blocks.dtype} {list(blocks.shape)}")
+    if heads < 1 or min(dims) < 0:
+        raise ValueError(f"dims must be [heads >= 1, hidden, paths, z width, L size] >= 0, got {list(dims)}")
     table = _array(blocks)
-    if blocks.dim() != 2 or blocks.shape[1] != 6 or (table.shape[0] and (
-            (table[:, 0] + table[:, 1] * table[:, 2]).max() > paths
-            or (table[:, 4] + heads * table[:, 3] * hidden * table[:, 1]).max() > lsize
-            or (table[:, 5] + heads * table[:, 3] * table[:, 2]).max() > zwidth)):
-        raise ValueError("blocks does not fit dims (paths, z width, L size)")
-    return arrays, table, _check_segments(rowptr, num, nodes)
+    for poff, k, dim_l, width, loff, zoff in table.tolist():
+        if min(poff, k, dim_l, width, loff, zoff) < 0 or poff + k * dim_l > paths or (
+                loff + heads * width * hidden * k > lsize or zoff + heads * width * dim_l > zwidth):
+            raise ValueError(f"blocks does not fit dims {list(dims)} (paths, z width, L size): "
+                             f"row {[poff, k, dim_l, width, loff, zoff]}")
+    return table
+
+
+def _common_dtype(**tensors: Optional[torch.Tensor]) -> torch.dtype:
+    """The one floating dtype (float32 or float64) of the given tensors (None ones ignored)."""
+    given = {name: t.dtype for name, t in tensors.items() if t is not None}
+    dtypes = set(given.values())
+    if len(dtypes) != 1 or not dtypes <= set(_NUMPY):
+        raise ValueError(f"{', '.join(given)} must share one dtype, float32 or float64, got "
+                         f"{', '.join(f'{k}: {v}' for k, v in given.items())}")
+    return dtypes.pop()
 
 
 _NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
@@ -158,6 +176,7 @@ def _path_arguments(spec: str, x: torch.Tensor, index: torch.Tensor, sh: torch.T
     _check("index", index, (sh.shape[0],))
     if index.shape[0] and (int(index.min()) < 0 or int(index.max()) >= x.shape[0]):
         raise IndexError(f"index must be in [0, {x.shape[0]}) (the rows of x)")
+    _common_dtype(x=x, sh=sh)
     data = (_array(x), _array(index), _array(sh))
     order, paths = component_major_paths(spec)
     structure = (layout.path_x, layout.path_y, order[layout.path_p], layout.path_c.astype(data[0].dtype))
@@ -181,13 +200,14 @@ def path_features_backward(spec: str, x: torch.Tensor, index: torch.Tensor, sh: 
     """The gradients of ``x`` ``[N, in]`` and ``sh`` ``[E, sh]`` flagged in ``needs`` (others empty)."""
     data, structure, paths = _path_arguments(spec, x, index, sh)
     _check("grad", grad, (sh.shape[0], paths))
+    _common_dtype(x=x, grad=grad)
     gx_edges, gsh = x.new_empty(sh.shape[0], x.shape[1]), sh.new_empty(sh.shape)
     tile = _TILE
     groups = _forward_groups(sh.shape[0], tile)
     arrays = (gx_edges.numpy(), gsh.numpy())
     _parallel(lambda group: segments.path_features_backward(*data, _array(grad), structure, tile, group, groups,
                                                             *arrays), groups)
-    gx = torch.zeros_like(x).index_add_(0, index, gx_edges) if needs[0] else x.new_empty(0)
+    gx = x.new_zeros(x.shape).index_add_(0, index, gx_edges) if needs[0] else x.new_empty(0)
     return gx, gsh if needs[1] else sh.new_empty(0)
 
 

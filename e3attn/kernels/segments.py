@@ -38,6 +38,8 @@ __all__ = ["node_expand", "node_outer", "path_features", "path_features_backward
 @numba.njit(**_JIT)
 def _scratch(blocks, hidden, dtype_of):
     """A scratch ``[2l+1, hidden K]`` for the widest block (the per-node contractions run along its rows)."""
+    if blocks.shape[0] == 0:
+        return np.empty((1, 1), dtype_of.dtype)
     return np.empty((max(1, blocks[:, 2].max()), max(1, hidden * blocks[:, 1].max())), dtype_of.dtype)
 
 
@@ -106,9 +108,9 @@ def _cross(glt, buf, z, blocks, heads, hidden, tmp):
 def node_expand(y, a, z, lt, blocks, heads, hidden, rowptr, gi, groups, out_t, out_r):
     """With ``Q_i = E(z_i, L)`` for the edges ``e -> i`` of the nodes of group ``gi``: ``out_t[e J + j] =
     sum_p y[e, p] Q_i[j, p]`` (if ``y`` has rows) and ``out_r[e, p] = sum_j a[e J + j] Q_i[j, p]`` (if ``a`` has
-    entries); ``Q_i`` is built once per node, in cache."""
+    entries); ``Q_i`` is built once per node, in cache. An output with no rows is not computed."""
     nodes, width = rowptr.shape[0] - 1, heads * hidden
-    paths = y.shape[1] if y.shape[0] else out_r.shape[1]
+    paths = y.shape[1]  # an unused y is an empty [0, paths]
     zero = np.zeros(1, z.dtype)[0]
     buf, tmp = np.empty((width, paths), z.dtype), _scratch(blocks, hidden, z)
     for i in range(gi * nodes // groups, (gi + 1) * nodes // groups):
@@ -116,10 +118,10 @@ def node_expand(y, a, z, lt, blocks, heads, hidden, rowptr, gi, groups, out_t, o
         if stop == start:
             continue
         _expand(buf, z[i], lt, blocks, heads, hidden, tmp)
-        if y.shape[0]:
+        if out_t.shape[0]:
             out_t[start * width : stop * width] = 0.0
             _dots(out_t, start * width, width, y, start, stop - start, buf, width, paths, zero)
-        if a.shape[0]:
+        if out_r.shape[0]:
             out_r[start:stop] = 0.0
             _mac(out_r, start, stop - start, buf, 0, width, a, start * width, width, 1, paths)
 
@@ -128,22 +130,23 @@ def node_expand(y, a, z, lt, blocks, heads, hidden, rowptr, gi, groups, out_t, o
 def node_outer(a, y, lt, z, blocks, heads, hidden, rowptr, gi, groups, out_o, glt_groups):
     """With ``U_i = sum_{e -> i} a_e^T y_e`` for the nodes ``i`` of group ``gi``: ``out_o[i] = R(U_i, L)`` (if
     ``lt`` has entries) and ``glt_groups[gi] = sum_i X(U_i, z_i)`` (if ``z`` has rows; summed over the groups in
-    order afterwards: bitwise repeatable); ``U_i`` is built once per node, in cache."""
+    order afterwards: bitwise repeatable); ``U_i`` is built once per node, in cache. An output with no rows is
+    not computed."""
     nodes, paths, width = rowptr.shape[0] - 1, y.shape[1], heads * hidden
     buf, tmp = np.empty((width, paths), y.dtype), _scratch(blocks, hidden, y)
-    if z.shape[0]:
+    if glt_groups.shape[0]:
         glt_groups[gi] = 0.0
     for i in range(gi * nodes // groups, (gi + 1) * nodes // groups):
         start, stop = rowptr[i], rowptr[i + 1]
         if stop == start:
-            if lt.shape[0]:
+            if out_o.shape[0]:
                 out_o[i] = 0.0
             continue
         buf[:, :] = 0.0
         _mac(buf, 0, width, y, start, stop - start, a, start * width, 1, width, paths)
-        if lt.shape[0]:
+        if out_o.shape[0]:
             _reduce(out_o[i], buf, lt, blocks, heads, hidden, tmp)
-        if z.shape[0]:
+        if glt_groups.shape[0]:
             _cross(glt_groups[gi], buf, z[i], blocks, heads, hidden, tmp)
 
 
