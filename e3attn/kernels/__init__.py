@@ -1,10 +1,16 @@
-r"""Fused kernels for the tensor product with folded radial weights.
+r"""Compiled kernels: the attention contracted at the nodes, and the fused tensor product with folded radial weights.
 
-They compute
-:meth:`SphericalTensorProduct.forward_factored <e3attn.tensor_product.SphericalTensorProduct.forward_factored>`.
+On the CPU, :class:`~e3attn.attention.EquivariantAttention` contracts its radial weights at the nodes
+(:class:`~e3attn.node_contraction.NodeContraction`) and never forms keys, values or weights per edge:
 
-One compiled pass over the edges per direction, forces included: the second derivative reuses the
-same kernels through the multilinearity of the product (see :mod:`e3attn.kernels.ops`).
+* :mod:`e3attn.kernels.segments`: two numba kernels over the nodes (``node_expand``, ``node_outer``) and the
+  path features, compiled on first use (once per dtype) and cached on disk;
+* :mod:`e3attn.kernels.segment_ops`: their custom operators, each one's gradients computed by the other, so
+  every order of derivative (forces and their training) runs on them.
+
+Elsewhere, :meth:`SphericalTensorProduct.forward_factored <e3attn.tensor_product.SphericalTensorProduct.forward_factored>`
+forms keys and values per edge in one compiled pass over the edges per direction, forces included (the second
+derivative reuses the same kernels through the multilinearity of the product, see :mod:`e3attn.kernels.ops`):
 
 * :mod:`e3attn.kernels.layout`: the product's structure as flat arrays;
 * :mod:`e3attn.kernels.cpu`: numba kernels (CPU, float32 and float64), compiled on first use (once
@@ -16,9 +22,10 @@ same kernels through the multilinearity of the product (see :mod:`e3attn.kernels
 
 :meth:`~e3attn.tensor_product.SphericalTensorProduct.forward_factored` runs them wherever they are
 enabled (CPU tensors, and CUDA tensors after :func:`set_cuda_kernels`, in float32 and float64, outside
-autocast and ``torch.func`` transforms); :func:`fused_enabled` is the one place that decides.
-Everything else runs the plain formulation, which :func:`set_fused_kernels` ``(False)`` (or the
-environment variable ``E3ATTN_FUSED_KERNELS=0``) selects everywhere, e.g. to compare the two.
+autocast and ``torch.func`` transforms); :func:`fused_enabled` is the one place that decides, and
+:func:`segments_enabled` says where the layer contracts at the nodes. Everything else runs the plain
+formulation, which :func:`set_fused_kernels` ``(False)`` (or the environment variable
+``E3ATTN_FUSED_KERNELS=0``) selects everywhere, e.g. to compare the two.
 
 Example::
 
