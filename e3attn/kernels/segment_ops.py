@@ -118,10 +118,10 @@ def node_expand(y: Optional[torch.Tensor], a: Optional[torch.Tensor], z: torch.T
     num = y_.shape[0] if y is not None else (a.shape[0] if a is not None else 0)
     out_t = z.new_empty(num if y is not None else 0, dims[0] * dims[1])
     out_r = z.new_empty(num if a is not None else 0, dims[2])
-    arrays = (out_t.view(-1).numpy(), out_r.numpy())
+    empty = np.empty((0, dims[3]), _NUMPY[z.dtype])
+    arrays = (out_t.view(-1).numpy(), out_r.numpy(), empty, empty)
     groups = _node_groups(rowptr)
-    _parallel(lambda g: segments.node_expand(y_, a_, z_, lt_, table, dims[0], dims[1], ptr, g, groups, *arrays),
-              groups)
+    _parallel(lambda g: segments.node_pass(y_, a_, z_, lt_, table, dims[0], dims[1], ptr, g, groups, *arrays), groups)
     return out_t, out_r
 
 
@@ -134,10 +134,9 @@ def node_outer(a: torch.Tensor, y: torch.Tensor, lt: Optional[torch.Tensor], z: 
     (a_, y_, z_, lt_), table, ptr = _node_arguments(a, y, z, lt, blocks, rowptr, dims)
     out_o = y.new_empty(rowptr.shape[0] - 1 if lt is not None else 0, dims[3])
     glt = y.new_empty(cpu.GROUPS if z is not None else 0, dims[4])
-    arrays = (out_o.numpy(), glt.numpy())
+    arrays = (np.empty(0, _NUMPY[y.dtype]), np.empty((0, dims[2]), _NUMPY[y.dtype]), out_o.numpy(), glt.numpy())
     groups = cpu.GROUPS if z is not None else _node_groups(rowptr)
-    _parallel(lambda g: segments.node_outer(a_, y_, lt_, z_, table, dims[0], dims[1], ptr, g, groups, *arrays),
-              groups)
+    _parallel(lambda g: segments.node_pass(y_, a_, z_, lt_, table, dims[0], dims[1], ptr, g, groups, *arrays), groups)
     return out_o, glt.sum(0) if z is not None else glt.new_empty(0)
 
 
@@ -189,8 +188,9 @@ def path_features(spec: str, x: torch.Tensor, index: torch.Tensor, sh: torch.Ten
     data, structure, paths = _path_arguments(spec, x, index, sh)
     out, tile = sh.new_empty(sh.shape[0], paths), _TILE
     groups = _forward_groups(sh.shape[0], tile)
-    array = out.numpy()
-    _parallel(lambda group: segments.path_features(*data, structure, tile, group, groups, array), groups)
+    empty = np.empty((0, paths), data[0].dtype)
+    arrays = (out.numpy(), np.empty((0, x.shape[1]), data[0].dtype), np.empty((0, sh.shape[1]), data[0].dtype))
+    _parallel(lambda group: segments.path_features(*data, empty, structure, tile, group, groups, *arrays), groups)
     return out
 
 
@@ -204,9 +204,9 @@ def path_features_backward(spec: str, x: torch.Tensor, index: torch.Tensor, sh: 
     gx_edges, gsh = x.new_empty(sh.shape[0], x.shape[1]), sh.new_empty(sh.shape)
     tile = _TILE
     groups = _forward_groups(sh.shape[0], tile)
-    arrays = (gx_edges.numpy(), gsh.numpy())
-    _parallel(lambda group: segments.path_features_backward(*data, _array(grad), structure, tile, group, groups,
-                                                            *arrays), groups)
+    arrays = (np.empty((0, paths), data[0].dtype), gx_edges.numpy(), gsh.numpy())
+    _parallel(lambda group: segments.path_features(*data, _array(grad), structure, tile, group, groups, *arrays),
+              groups)
     gx = x.new_zeros(x.shape).index_add_(0, index, gx_edges) if needs[0] else x.new_empty(0)
     return gx, gsh if needs[1] else sh.new_empty(0)
 

@@ -5,11 +5,11 @@ so that the edges :math:`e \to i` of node :math:`i` are the rows ``rowptr[i]:row
 layout), and every kernel walks the nodes of its share ``gi`` of ``groups``, building one per-node matrix
 ``[heads * hidden, paths]`` in a buffer that stays in cache:
 
-* :func:`node_expand`: :math:`Q_i = E(z_i, L)` (``_expand``), then for the node's edges
+* ``e3attn::node_expand``: :math:`Q_i = E(z_i, L)` (``_expand``), then for the node's edges
   :math:`t_e = y_e Q_i^T` and/or :math:`r_e = a_e Q_i`;
-* :func:`node_outer`: :math:`U_i = \sum_{e \to i} a_e^T y_e`, then :math:`R(U_i, L)` (``_reduce``, the
-  adjoint of :math:`E` in :math:`z`) and/or the gradient :math:`X(U_i, z_i)` of
-  :math:`\langle E(z_i, L), U_i \rangle` in :math:`L` (``_cross``), summed per group.
+* ``e3attn::node_outer``: :math:`U_i = \sum_{e \to i} a_e^T y_e`, then :math:`R(U_i, L)` (the adjoint of
+  :math:`E` in :math:`z`) and/or the gradient :math:`X(U_i, z_i)` of :math:`\langle E(z_i, L), U_i \rangle` in
+  :math:`L`, summed per group (``_adjoints``).
 
 :math:`E` works per block of the product (a degree group :math:`g` of :math:`K` paths and :math:`2l+1`
 components, ``blocks`` rows ``(path offset, K, 2l+1, channels per head, L offset, z offset)``): per head
@@ -19,8 +19,8 @@ are laid out (group, component, path) to match. The edge contractions run in the
 of :mod:`e3attn.kernels.cpu` along the contiguous path axis. Every kernel writes only its own nodes' rows
 (and the gradient of :math:`L` into its group's buffer), so results do not depend on the number of threads.
 
-:func:`path_features` and :func:`path_features_backward` compute :math:`y_e = P(x_{\mathrm{src}(e)}, Y_e)`
-and its gradients in tiles of edges, edges last, as the fused product does.
+:func:`path_features` computes :math:`y_e = P(x_{\mathrm{src}(e)}, Y_e)` or its gradients in tiles of edges,
+edges last, as the fused product does.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import numpy as np
 
 from .cpu import _JIT, _dots, _load, _mac, _paths, _paths_backward, _store
 
-__all__ = ["node_expand", "node_outer", "path_features", "path_features_backward"]
+__all__ = ["node_pass", "path_features"]
 
 
 # ------------------------------------------------------------------ per node: Q_i = E(z_i, L) and its adjoints
@@ -73,110 +73,77 @@ def _expand(buf, z, lt, blocks, heads, hidden, tmp):
 
 
 @numba.njit(**_JIT)
-def _reduce(out, buf, lt, blocks, heads, hidden, tmp):
-    """``out = R(buf, L)``, the adjoint of :func:`_expand`: ``out[a, w, m] = sum_hk lt[a, w, h, k] buf[a H + h,
-    poff + m K + k]`` per block (rows of ``H K`` dotted)."""
-    zero = np.zeros(1, out.dtype)[0]
+def _adjoints(buf, lt, z, blocks, heads, hidden, tmp, out, glt):
+    """From ``buf [J, P]``, per block: ``out = R(buf, L)``, the adjoint of :func:`_expand`, ``out[a, w, m] =
+    sum_hk lt[a, w, h, k] buf[a H + h, poff + m K + k]`` (if ``out`` has entries), and ``glt += X(buf, z)``, the
+    gradient of ``<E(z, L), buf>`` in ``L``, ``glt[a, w, h, k] += sum_m z[a, w, m] buf[a H + h, poff + m K + k]``
+    (if ``glt`` has entries); both along rows of ``H K``."""
+    zero = np.zeros(1, buf.dtype)[0]
     for b in range(blocks.shape[0]):
         poff, kdim, dim_l, width, loff, zoff = blocks[b]
         size = hidden * kdim
         for a in range(heads):
             _gather(tmp, buf, a, hidden, poff, kdim, dim_l)
-            rows = lt[loff + a * width * size : loff + (a + 1) * width * size].reshape(width, size)
-            start = zoff + a * width * dim_l
-            out[start : start + width * dim_l] = 0.0
-            _dots(out, start, dim_l, rows, 0, width, tmp, dim_l, size, zero)
-
-
-@numba.njit(**_JIT)
-def _cross(glt, buf, z, blocks, heads, hidden, tmp):
-    """``glt += X(buf, z)``, the gradient of ``<E(z, L), buf>`` in ``L``: ``glt[a, w, h, k] += sum_m z[a, w, m]
-    buf[a H + h, poff + m K + k]`` per block (rows of ``H K``)."""
-    for b in range(blocks.shape[0]):
-        poff, kdim, dim_l, width, loff, zoff = blocks[b]
-        size = hidden * kdim
-        for a in range(heads):
-            _gather(tmp, buf, a, hidden, poff, kdim, dim_l)
-            rows = glt[loff + a * width * size : loff + (a + 1) * width * size].reshape(width, size)
-            _mac(rows, 0, width, tmp, 0, dim_l, z, zoff + a * width * dim_l, dim_l, 1, size)
+            first, start = loff + a * width * size, zoff + a * width * dim_l
+            if out.shape[0]:
+                out[start : start + width * dim_l] = 0.0
+                _dots(out, start, dim_l, lt[first : first + width * size].reshape(width, size), 0, width, tmp,
+                      dim_l, size, zero)
+            if glt.shape[0]:
+                _mac(glt[first : first + width * size].reshape(width, size), 0, width, tmp, 0, dim_l, z, start,
+                     dim_l, 1, size)
 
 
 # ------------------------------------------------------------------ kernels: one pass over the nodes of a group
 
 
 @numba.njit(**_JIT)
-def node_expand(y, a, z, lt, blocks, heads, hidden, rowptr, gi, groups, out_t, out_r):
-    """With ``Q_i = E(z_i, L)`` for the edges ``e -> i`` of the nodes of group ``gi``: ``out_t[e J + j] =
-    sum_p y[e, p] Q_i[j, p]`` (if ``y`` has rows) and ``out_r[e, p] = sum_j a[e J + j] Q_i[j, p]`` (if ``a`` has
-    entries); ``Q_i`` is built once per node, in cache. An output with no rows is not computed."""
-    nodes, width = rowptr.shape[0] - 1, heads * hidden
-    paths = y.shape[1]  # an unused y is an empty [0, paths]
+def node_pass(y, a, z, lt, blocks, heads, hidden, rowptr, gi, groups, out_t, out_r, out_o, glt_groups):
+    """One pass over the nodes ``i`` of group ``gi`` and their edges ``e -> i``, computing the outputs that have
+    rows (the others are empty and skipped):
+
+    * with ``Q_i = E(z_i, L)``, built once per node in cache: ``out_t[e J + j] = sum_p y[e, p] Q_i[j, p]`` and
+      ``out_r[e, p] = sum_j a[e J + j] Q_i[j, p]``;
+    * with ``U_i = sum_{e -> i} a_e^T y_e``, built once per node in cache: ``out_o[i] = R(U_i, L)`` and
+      ``glt_groups[gi] = sum_i X(U_i, z_i)`` (summed over the groups in order afterwards: bitwise repeatable).
+    """
+    nodes, paths, width = rowptr.shape[0] - 1, y.shape[1], heads * hidden  # an unused y is an empty [0, paths]
     zero = np.zeros(1, z.dtype)[0]
-    buf, tmp = np.empty((width, paths), z.dtype), _scratch(blocks, hidden, z)
-    for i in range(gi * nodes // groups, (gi + 1) * nodes // groups):
-        start, stop = rowptr[i], rowptr[i + 1]
-        if stop == start:
-            continue
-        _expand(buf, z[i], lt, blocks, heads, hidden, tmp)
-        if out_t.shape[0]:
-            out_t[start * width : stop * width] = 0.0
-            _dots(out_t, start * width, width, y, start, stop - start, buf, width, paths, zero)
-        if out_r.shape[0]:
-            out_r[start:stop] = 0.0
-            _mac(out_r, start, stop - start, buf, 0, width, a, start * width, width, 1, paths)
-
-
-@numba.njit(**_JIT)
-def node_outer(a, y, lt, z, blocks, heads, hidden, rowptr, gi, groups, out_o, glt_groups):
-    """With ``U_i = sum_{e -> i} a_e^T y_e`` for the nodes ``i`` of group ``gi``: ``out_o[i] = R(U_i, L)`` (if
-    ``lt`` has entries) and ``glt_groups[gi] = sum_i X(U_i, z_i)`` (if ``z`` has rows; summed over the groups in
-    order afterwards: bitwise repeatable); ``U_i`` is built once per node, in cache. An output with no rows is
-    not computed."""
-    nodes, paths, width = rowptr.shape[0] - 1, y.shape[1], heads * hidden
-    buf, tmp = np.empty((width, paths), y.dtype), _scratch(blocks, hidden, y)
-    if glt_groups.shape[0]:
+    buf, tmp, none = np.empty((width, paths), z.dtype), _scratch(blocks, hidden, z), np.empty(0, z.dtype)
+    want_t, want_r, want_o, want_g = out_t.shape[0] > 0, out_r.shape[0] > 0, out_o.shape[0] > 0, glt_groups.shape[0] > 0
+    if want_g:
         glt_groups[gi] = 0.0
     for i in range(gi * nodes // groups, (gi + 1) * nodes // groups):
         start, stop = rowptr[i], rowptr[i + 1]
         if stop == start:
-            if out_o.shape[0]:
+            if want_o:
                 out_o[i] = 0.0
             continue
-        buf[:, :] = 0.0
-        _mac(buf, 0, width, y, start, stop - start, a, start * width, 1, width, paths)
-        if out_o.shape[0]:
-            _reduce(out_o[i], buf, lt, blocks, heads, hidden, tmp)
-        if glt_groups.shape[0]:
-            _cross(glt_groups[gi], buf, z[i], blocks, heads, hidden, tmp)
+        if want_t or want_r:
+            _expand(buf, z[i], lt, blocks, heads, hidden, tmp)
+            if want_t:
+                out_t[start * width : stop * width] = 0.0
+                _dots(out_t, start * width, width, y, start, stop - start, buf, width, paths, zero)
+            if want_r:
+                out_r[start:stop] = 0.0
+                _mac(out_r, start, stop - start, buf, 0, width, a, start * width, width, 1, paths)
+        if want_o or want_g:
+            buf[:, :] = 0.0
+            _mac(buf, 0, width, y, start, stop - start, a, start * width, 1, width, paths)
+            _adjoints(buf, lt, z[i] if want_g else none, blocks, heads, hidden, tmp, out_o[i] if want_o else none,
+                      glt_groups[gi] if want_g else none)
 
 
 @numba.njit(**_JIT)
-def path_features(x, index, sh, s, tile, gi, groups, y):
-    """``y[e] = P(x[index[e]], sh[e])`` ``[E, paths]`` for the tiles of group ``gi``."""
-    num = sh.shape[0]
+def path_features(x, index, sh, grad, s, tile, gi, groups, y, gx_edges, gsh):
+    """For the tiles of group ``gi``: ``y[e] = P(x[index[e]], sh[e])`` ``[E, paths]``, or, when ``grad`` has
+    rows, the gradients of that for ``grad`` ``[E, paths]``: of the gathered ``x`` per edge (``gx_edges``) and of
+    ``sh``."""
+    num, backward = sh.shape[0], grad.shape[0] > 0
     tiles = (num + tile - 1) // tile
     xt = np.empty((x.shape[1], tile), x.dtype)
     sht = np.empty((sh.shape[1], tile), x.dtype)
-    yt = np.empty((y.shape[1], tile), x.dtype)
-    for ti in range(gi * tiles // groups, (gi + 1) * tiles // groups):
-        e0 = ti * tile
-        n = min(tile, num - e0)
-        _load(x, index, e0, n, xt)
-        _load(sh, index[:0], e0, n, sht)
-        yt[:, :n] = 0.0
-        _paths(n, xt, sht, s, yt)
-        _store(yt, e0, n, y)
-
-
-@numba.njit(**_JIT)
-def path_features_backward(x, index, sh, grad, s, tile, gi, groups, gx_edges, gsh):
-    """The gradients of :func:`path_features` for ``grad`` ``[E, paths]``: of the gathered ``x`` per edge
-    (``gx_edges``) and of ``sh``, for the tiles of group ``gi``."""
-    num = sh.shape[0]
-    tiles = (num + tile - 1) // tile
-    xt = np.empty((x.shape[1], tile), x.dtype)
-    sht = np.empty((sh.shape[1], tile), x.dtype)
-    gt = np.empty((grad.shape[1], tile), x.dtype)
+    yt = np.empty((grad.shape[1] if backward else y.shape[1], tile), x.dtype)  # y, or its gradient
     gxt = np.empty((x.shape[1], tile), x.dtype)
     gsht = np.empty((sh.shape[1], tile), x.dtype)
     for ti in range(gi * tiles // groups, (gi + 1) * tiles // groups):
@@ -184,9 +151,14 @@ def path_features_backward(x, index, sh, grad, s, tile, gi, groups, gx_edges, gs
         n = min(tile, num - e0)
         _load(x, index, e0, n, xt)
         _load(sh, index[:0], e0, n, sht)
-        _load(grad, index[:0], e0, n, gt)
-        gxt[:, :n] = 0.0
-        gsht[:, :n] = 0.0
-        _paths_backward(n, gt, xt, sht, s, gxt, gsht)
-        _store(gxt, e0, n, gx_edges)
-        _store(gsht, e0, n, gsh)
+        if backward:
+            _load(grad, index[:0], e0, n, yt)
+            gxt[:, :n] = 0.0
+            gsht[:, :n] = 0.0
+            _paths_backward(n, yt, xt, sht, s, gxt, gsht)
+            _store(gxt, e0, n, gx_edges)
+            _store(gsht, e0, n, gsh)
+        else:
+            yt[:, :n] = 0.0
+            _paths(n, xt, sht, s, yt)
+            _store(yt, e0, n, y)
