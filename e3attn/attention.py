@@ -8,6 +8,7 @@ import torch
 import torch.utils.hooks
 from e3nn import o3
 
+from . import kernels
 from ._checks import (
     check_batch,
     check_dtype,
@@ -18,7 +19,6 @@ from ._checks import (
     check_pos,
     check_radius_fits,
 )
-from . import kernels
 from ._irreps import IrrepsLike, as_irreps
 from .graph import radius_graph
 from .heads import MultiHeadDot, scale_heads, split_heads
@@ -72,6 +72,11 @@ class EquivariantAttention(torch.nn.Module):
     there and :math:`r_e = |\vec x_j - \vec x_i|` has a kink, so first
     derivatives (forces) are finite but second derivatives in the positions
     (training on forces, Hessians) are NaN, as in the e3nn guide.
+
+    On the CPU (float32 and float64) the layer computes exactly this without
+    forming :math:`k_e`, :math:`v_e` or their weights on any edge: the radial
+    networks' last layers are contracted at the nodes
+    (:class:`~e3attn.node_contraction.NodeContraction`).
 
     Inputs must share the dtype of the parameters (an error names the
     argument otherwise), and ``max_radius`` must have a finite square in that

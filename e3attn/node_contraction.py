@@ -39,7 +39,7 @@ class NodeContraction(torch.nn.Module):
     Per node :math:`i`, :math:`Q_i` and :math:`U_i` (``[heads * hidden, paths]``) are built in cache by the
     kernels of :mod:`e3attn.kernels.segment_ops` and never stored: ``node_expand`` builds :math:`Q_i` and
     contracts it with the path features of the node's incoming edges, ``node_outer`` sums :math:`U_i` over them
-    and contracts it with :math:`L^{(v)}`. Two kernels, each the other's derivative, do all the work of keys and
+    and contracts it with :math:`L^{(v)}`. Two operators, each the other's derivative, do all the work of keys and
     values, to any order of derivative. For the e3nn guide's layer that is 2.8x (forward) and 3.4x (backward)
     fewer operations than forming the weights :math:`w_e` of every edge, and no per-edge keys, values or
     weights are stored, only the path features :math:`y_e`. The edges must be sorted by destination

@@ -3,7 +3,7 @@ r"""Compiled kernels: the attention contracted at the nodes, and the fused tenso
 On the CPU, :class:`~e3attn.attention.EquivariantAttention` contracts its radial weights at the nodes
 (:class:`~e3attn.node_contraction.NodeContraction`) and never forms keys, values or weights per edge:
 
-* :mod:`e3attn.kernels.segments`: two numba kernels over the nodes (``node_expand``, ``node_outer``) and the
+* :mod:`e3attn.kernels.segments`: a numba kernel over the nodes (``node_pass``) and one for the
   path features, compiled on first use (once per dtype) and cached on disk;
 * :mod:`e3attn.kernels.segment_ops`: their custom operators, each one's gradients computed by the other, so
   every order of derivative (forces and their training) runs on them.

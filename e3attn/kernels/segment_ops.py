@@ -21,7 +21,7 @@ identities, so the gradients of one operator are the other's outputs:
     \partial_{a, y} \big(\langle g_o, R \rangle + \langle g_X, X \rangle\big) = D, C \text{ of }
     W = E(g_o, L) + E(z, g_X),\quad \partial_L = X(U, g_o),\quad \partial_z = R(U, g_X),
 
-and every derivative, forces and their training included, runs on the same two kernels; each call computes
+and every derivative, forces and their training included, runs on the same two operators; each call computes
 the outputs that share its per-node matrix at once. An input given as None leaves its output empty. CPU
 tensors (float32 and float64) only: :func:`e3attn.kernels.segments_enabled` says where the layer uses them.
 """

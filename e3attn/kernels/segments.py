@@ -2,8 +2,9 @@ r"""The attention's kernels on the CPU when its radial weights are contracted at
 
 See :class:`~e3attn.node_contraction.NodeContraction` for the math. The edges are sorted by destination,
 so that the edges :math:`e \to i` of node :math:`i` are the rows ``rowptr[i]:rowptr[i + 1]`` (a CSR
-layout), and every kernel walks the nodes of its share ``gi`` of ``groups``, building one per-node matrix
-``[heads * hidden, paths]`` in a buffer that stays in cache:
+layout), and :func:`node_pass` walks the nodes of its share ``gi`` of ``groups``, building per node the
+``[heads * hidden, paths]`` matrices that its outputs need, in a buffer that stays in cache. The two operators
+of :mod:`e3attn.kernels.segment_ops` call it:
 
 * ``e3attn::node_expand``: :math:`Q_i = E(z_i, L)` (``_expand``), then for the node's edges
   :math:`t_e = y_e Q_i^T` and/or :math:`r_e = a_e Q_i`;
