@@ -6,7 +6,6 @@ from typing import Callable, List, Tuple
 import torch
 
 from .heads import MultiHeadDot, head_index
-from .kernels import segment_ops
 from .kernels.layout import layout_for
 from .tensor_product import SphericalTensorProduct
 
@@ -101,6 +100,8 @@ class NodeContraction(torch.nn.Module):
         and last layers ``linear [h, weight_numel]`` (keys, values), ``q [N, heads, D]`` the projected
         queries, ``log_c [E]``, and ``weight_fn(logits) -> (alpha, beta)`` the segment softmax, which must
         group the edges by the same destinations as ``rowptr`` (the kernels check ``rowptr`` itself, not that)."""
+        from .kernels import segment_ops  # imports numba: only where the kernels run
+
         y = segment_ops.path_features(self.spec, f, index, sh)
         zk = q.flatten(1).index_select(1, self._key_columns)
         lk = linear[0].reshape(-1).index_select(0, self._key_weights)
