@@ -44,6 +44,7 @@ Usage::
     python benchmarks/layer.py --forces --plain         # + force-training step, + e3attn without fused kernels
     python benchmarks/layer.py --device cuda --forces --plain --cuda-kernels  # e3attn on the Triton kernels
     python benchmarks/layer.py --busy 1 --threads 2     # e3attn beside a busy process it starts and stops
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/layer.py --busy 1 --threads 2  # idle OpenMP threads sleep
 """
 from __future__ import annotations
 
@@ -421,6 +422,7 @@ def setup(args: argparse.Namespace) -> Tuple[torch.device, dict]:
         "configs": {name: CONFIGS[name] for name in args.configs if name in CONFIGS},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "load_average_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),  # PASSIVE: idle OpenMP threads sleep (busy machines)
     }
     print(f"device {meta['device']} ({device.type}, {meta['threads']} threads)")
     return device, meta
