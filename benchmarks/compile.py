@@ -5,16 +5,16 @@ and compiled on the same radius graph (built once, passed explicitly). The compi
 compiled once (the time of the first forward and of the first forward+backward are reported as
 ``compile_fwd_s`` / ``compile_fwdbwd_s``) and reused for every size: ``dynamic=True`` keeps the
 numbers of nodes and edges symbolic, and ``recompiles`` counts the extra compilations dynamo made
-after the first size (expected 0). Compiled, the tensor product is the same chunked custom
-operator as in eager mode (``e3attn::factored_product`` and its backward), which the compiler
-calls as it is, while the code around it is compiled; the input checks that need the data on the
-host are skipped.
+after the first size (expected 0). Compiled, the layer calls the same custom operators as in eager
+mode (on the CPU ``e3attn::path_features``, ``e3attn::node_expand``, ``e3attn::node_outer`` and
+their gradients), which the compiler calls as they are, while the code around them is compiled; the
+input checks that need the data on the host are skipped.
 
 Times are the best of ``--repeats`` calls (eager and compiled alternating); ``max_abs_diff`` is
 the largest difference of the two outputs and ``max_grad_rel_diff`` that of the gradients with
 respect to the positions, the features and the parameters, relative to the largest gradient.
-``--quick`` runs a tiny configuration (``2x0e + 2x1o``, lmax 1, 2 heads), forward+backward only,
-which compiles in about a minute.
+``--quick`` runs the guide configuration on 12 and 24 nodes, forward+backward only, which compiles
+in about a minute.
 
 Usage::
 
@@ -42,8 +42,7 @@ from layer import CONFIGS as LAYER_CONFIGS, RADIUS, cloud, setup, write  # noqa:
 
 from e3attn.attention import EquivariantAttention  # noqa: E402
 
-# the configurations of benchmarks/layer.py, and a tiny one that compiles quickly (--quick)
-CONFIGS = dict(LAYER_CONFIGS, tiny={"irreps": ("2x0e + 2x1o",) * 4, "lmax": 1, "num_heads": 2})
+CONFIGS = LAYER_CONFIGS
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
@@ -164,7 +163,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "compile.json")
     args = p.parse_args(argv)
     if args.quick:
-        args.configs, args.sizes, args.repeats, args.passes = ["tiny"], [12, 24], 1, ["fwdbwd"]
+        args.configs, args.sizes, args.repeats, args.passes = ["guide"], [12, 24], 1, ["fwdbwd"]
     return args
 
 

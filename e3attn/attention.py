@@ -257,7 +257,7 @@ class EquivariantAttention(torch.nn.Module):
         order = None
         if torch.compiler.is_compiling() or not bool((dst[1:] >= dst[:-1]).all()):
             order = torch.argsort(dst, stable=True)
-            src, dst, edge_vec = src.index_select(0, order), dst.index_select(0, order), edge_vec.index_select(0, order)
+            src, dst, edge_vec = src.index_select(0, order), dst.index_select(0, order), _rows(edge_vec, order)
         rowptr = torch.searchsorted(dst.contiguous(), torch.arange(num_nodes + 1, device=dst.device))
         hidden, log_c = self._radial_terms(edge_vec)
         out, alpha = self.nodes.attend(
@@ -301,15 +301,18 @@ class EquivariantAttention(torch.nn.Module):
 
 
 def _edge_vectors(pos: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-    r"""``pos[src] - pos[dst]`` ``[E, 3]``, gathered from the flattened positions.
+    r"""``pos[src] - pos[dst]`` ``[E, 3]`` (rows gathered by :func:`_rows`)."""
+    return _rows(pos, src) - _rows(pos, dst)
 
-    The gradient is then a one-dimensional ``index_add``; the two-dimensional one of
-    ``pos[src]`` is miscompiled by ``torch.compile`` on CPU (torch 2.13: wrong gradients and
-    out-of-bounds writes), which the compile tests would catch.
+
+def _rows(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``values[index]`` for ``values [N, k]``, gathered from the flattened values.
+
+    The gradient is then a one-dimensional ``index_add``. The two-dimensional one of
+    ``values.index_select(0, index)`` is miscompiled by ``torch.compile`` on the CPU with 2 or more
+    threads (torch 2.13, inductor: wrong gradients and heap corruption), which ``tests/test_compile.py``
+    catches.
     """
-    flat, xyz = pos.reshape(-1), torch.arange(3, device=pos.device)
-
-    def rows(index: torch.Tensor) -> torch.Tensor:
-        return flat.index_select(0, (3 * index[:, None] + xyz).reshape(-1))
-
-    return (rows(src) - rows(dst)).view(-1, 3)
+    k = values.shape[1]
+    flat = values.reshape(-1).index_select(0, (k * index[:, None] + torch.arange(k, device=index.device)).reshape(-1))
+    return flat.view(-1, k)
