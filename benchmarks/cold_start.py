@@ -1,12 +1,12 @@
-r"""Cold and warm start of the fused kernels: the first force-training step of a new process.
+r"""Cold and warm start of the layer's kernels: the first force-training step of a new process.
 
-The fused tensor-product kernels (:mod:`e3attn.kernels`) are compiled by numba on first use, once
-per dtype, and cached on disk. For each dtype this script runs two fresh processes that share an
+The layer's numba kernels on the CPU (:mod:`e3attn.kernels.segments`: ``node_pass`` and
+``path_features``) are compiled on first use, once per dtype, and cached on disk. For each dtype this script runs two fresh processes that share an
 empty numba cache directory (``NUMBA_CACHE_DIR``, a temporary folder, so the cache of the installed
 package is neither used nor touched):
 
-* ``cold``: the first process compiles the kernels (forward, backward and the backward of the
-  backward) during its first force-training step of a small layer;
+* ``cold``: the first process compiles the kernels (which serve the forward and every derivative)
+  during its first force-training step of a small layer;
 * ``warm``: the second process loads them from the cache.
 
 Each process reports the time of ``import e3attn``, of its first step and of a second step; the

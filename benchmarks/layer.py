@@ -2,8 +2,9 @@ r"""The attention layer against the e3nn guide's formulation: time, peak memory,
 
 Both compute the same layer on the same graph with the same number of weights:
 
-* ``e3attn``: :class:`e3attn.attention.EquivariantAttention` (key/value tensor product with the
-  radial network's last layer folded in, on the fused kernels of :mod:`e3attn.kernels`);
+* ``e3attn``: :class:`e3attn.attention.EquivariantAttention` (on the CPU the radial networks' last
+  layers contracted at the nodes, :mod:`e3attn.node_contraction`; on CUDA the key/value tensor product
+  with them folded in, plain or with ``--cuda-kernels`` on the fused kernels of :mod:`e3attn.kernels`);
 * ``plain`` (with ``--plain``): the same layer with its tensor product as plain tensor operations;
 * ``baseline``: the e3nn guide's formulation (seed document 003), written below from e3nn's
   ``o3.Linear``, ``o3.FullyConnectedTensorProduct`` (``shared_weights=False``, keys and values

@@ -76,7 +76,10 @@ class EquivariantAttention(torch.nn.Module):
     On the CPU (float32 and float64) the layer computes exactly this without
     forming :math:`k_e`, :math:`v_e` or their weights on any edge: the radial
     networks' last layers are contracted at the nodes
-    (:class:`~e3attn.node_contraction.NodeContraction`).
+    (:class:`~e3attn.node_contraction.NodeContraction`), except under autocast,
+    inside ``torch.func`` transforms and after
+    :func:`e3attn.kernels.set_fused_kernels` ``(False)``
+    (:func:`e3attn.kernels.segments_enabled`); :meth:`dense` always forms them.
 
     Inputs must share the dtype of the parameters (an error names the
     argument otherwise), and ``max_radius`` must have a finite square in that
@@ -256,7 +259,7 @@ class EquivariantAttention(torch.nn.Module):
         on the edges sorted by destination."""
         order = None
         if torch.compiler.is_compiling() or not bool((dst[1:] >= dst[:-1]).all()):
-            order = torch.argsort(dst, stable=True)
+            order = _destination_order(dst)
             src, dst, edge_vec = src.index_select(0, order), dst.index_select(0, order), _rows(edge_vec, order)
         rowptr = torch.searchsorted(dst.contiguous(), torch.arange(num_nodes + 1, device=dst.device))
         hidden, log_c = self._radial_terms(edge_vec)
@@ -303,6 +306,18 @@ class EquivariantAttention(torch.nn.Module):
 def _edge_vectors(pos: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     r"""``pos[src] - pos[dst]`` ``[E, 3]`` (rows gathered by :func:`_rows`)."""
     return _rows(pos, src) - _rows(pos, dst)
+
+
+@torch.library.custom_op("e3attn::destination_order", mutates_args=())
+def _destination_order(dst: torch.Tensor) -> torch.Tensor:
+    """``torch.argsort(dst, stable=True)``, opaque to ``torch.compile``: inductor's own sort specialises on the
+    length (one recompilation when the number of edges crosses 32,766)."""
+    return torch.argsort(dst, stable=True)
+
+
+@_destination_order.register_fake
+def _(dst):
+    return torch.empty_like(dst, dtype=torch.long)
 
 
 def _rows(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

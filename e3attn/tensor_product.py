@@ -71,9 +71,10 @@ class SphericalTensorProduct(Float64ConstantsModule):
 
     :meth:`forward_factored` takes weights that are a product
     :math:`w^{(t)} = h^{(t)} L^{(t)}` (the last linear layer of a radial
-    network) and never stores the ``[E, weight_numel]`` weights: it runs the
-    fused kernels of :mod:`e3attn.kernels`, one pass over the samples per
-    direction, the same steps on tiles of samples.
+    network) and never stores the ``[E, weight_numel]`` weights: where they
+    run (:func:`e3attn.kernels.fused_enabled`) it uses the fused kernels of
+    :mod:`e3attn.kernels`, one pass over the samples per direction, the same
+    steps on tiles of samples.
 
     Args:
         irreps_in: irreps of :math:`x`.
@@ -187,16 +188,17 @@ class SphericalTensorProduct(Float64ConstantsModule):
             \mathrm{forward\_factored}(x, Y, h, L) = \mathrm{forward}\big(x, Y, [h^{(t)} L^{(t)}]_t\big)
 
         With ``index``, sample :math:`e` uses ``x[index[e]]`` (e.g. the source
-        node of every edge), gathered inside the kernel. On the CPU, in float32
+        node of every edge), gathered inside the kernel. On the CPU (and on CUDA
+        after :func:`e3attn.kernels.set_cuda_kernels` ``(True)``), in float32
         and float64, it runs the fused kernels of :mod:`e3attn.kernels`: one pass
         over the samples per direction, in tiles of ``chunk_size`` samples
         (default: 64 or 128, from the width of the weight blocks), that never
         stores the ``[E, weight_numel]`` weights, differentiable to any order on the same kernels (forces and their
         training included), as the custom operators ``e3attn::fused_product``
         and ``e3attn::fused_product_backward``, which ``torch.compile`` keeps
-        in its graph. Elsewhere (other devices and dtypes, autocast, ``torch.func``
-        transforms, or after :func:`e3attn.kernels.set_fused_kernels` ``(False)``)
-        it runs the plain formulation, ``forward`` of :math:`h^{(t)} L^{(t)}`.
+        in its graph. Elsewhere (other devices and dtypes, CUDA by default, autocast,
+        ``torch.func`` transforms, or after :func:`e3attn.kernels.set_fused_kernels`
+        ``(False)``) it runs the plain formulation, ``forward`` of :math:`h^{(t)} L^{(t)}`.
 
         Args:
             x: ``[E, irreps_in.dim]``, or ``[N, irreps_in.dim]`` with ``index``.

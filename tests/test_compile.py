@@ -24,10 +24,11 @@ def _benchmark(name):
 def test_compiled_layer_equals_eager_for_dynamic_edge_counts(tmp_path):
     args = ["--quick", "--dtype", "float64", "--threads", "2", "--out", str(tmp_path / "c.json")]
     report = _benchmark("compile").main(args)
-    first, second = report["results"]
-    assert second["edges"] != first["edges"]
-    assert second["recompiles"] == 0, "a new number of edges recompiled the layer"
-    for row in (first, second):
+    first, *later = report["results"]
+    assert len({row["edges"] for row in report["results"]}) == 3 and later[-1]["edges"] > 32_766
+    for row in later:
+        assert row["recompiles"] == 0, f"{row['edges']} edges recompiled the layer"
+    for row in report["results"]:
         assert row["max_abs_diff"] < 1e-12
         assert row["max_grad_rel_diff"] < 1e-12
         assert row["compiled_fwdbwd_ms"] > 0 and row["eager_fwdbwd_ms"] > 0
@@ -66,3 +67,14 @@ def test_compiled_graph_runs_the_factored_operator(float64_default):
     for op in ("path_features", "path_features_backward", "node_expand", "node_outer"):
         assert f"e3attn.{op}.default" in targets
     torch._dynamo.reset()
+
+
+def test_destination_order_is_a_stable_argsort_opaque_to_the_compiler():
+    import torch
+
+    from e3attn.attention import _destination_order
+
+    dst = torch.tensor([3, 1, 3, 0, 1, 1, 2])
+    order = _destination_order(dst)
+    assert order.tolist() == [3, 1, 4, 5, 6, 0, 2]  # ties keep their order
+    torch.library.opcheck(_destination_order, (dst,))

@@ -249,7 +249,7 @@ def test_kernels_benchmark_counts_the_weight_products_and_runs(tmp_path):
         assert row[key] > 0, key
     # at the nodes: 15 paths into 0e (10 + 5) and 20 into 1o (10 + 5 + 5, 3 components) for 1 head x 16 hidden
     assert layer.nodes.num_paths == 75
-    edges, nodes = row["edges"], row["nodes"]
+    edges = row["edges"]
     assert row["node_flops"]["node_forward"] > edges * 2 * (2 * 16 * 75)  # D + U per edge, plus the rest
     assert row["node_flops"]["node_forward"] < row["flops_per_edge"]["forward"] * edges  # the point of it
     assert row["node_flops"]["node_backward"] < row["flops_per_edge"]["backward"] * edges

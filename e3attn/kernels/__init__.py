@@ -60,8 +60,9 @@ def _switch(name: str, enabled: bool) -> bool:
 
 
 def set_fused_kernels(enabled: bool) -> bool:
-    """Use the fused kernels in ``forward_factored`` where they run (the default), or the plain formulation
-    everywhere. Returns the previous setting."""
+    """Use the compiled kernels where they run (the default): the fused product in ``forward_factored`` and the
+    layer's node kernels (:func:`segments_enabled`); or the plain formulation everywhere (also
+    ``E3ATTN_FUSED_KERNELS=0``). Returns the previous setting."""
     return _switch("_ENABLED", enabled)
 
 
