@@ -274,6 +274,7 @@ fused_product.register_autograd(_product_backward, setup_context=_save)
 def _save_backward(ctx, inputs, output) -> None:
     _save(ctx, inputs, output)
     ctx.needs = inputs[9]
+    ctx.set_materialize_grads(False)  # an output without a gradient costs nothing (not a zero-filled tensor)
 
 
 def _backward_backward(ctx, *vs: torch.Tensor):

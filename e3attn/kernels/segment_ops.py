@@ -227,6 +227,7 @@ def _(spec, x, index, sh, grad, needs):
 def _save_node(ctx, inputs, output) -> None:
     ctx.save_for_backward(*inputs[:6])
     ctx.dims = inputs[6]
+    ctx.set_materialize_grads(False)  # an output without a gradient costs nothing (not a zero-filled tensor)
 
 
 def _used(g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -283,12 +284,13 @@ def _save_paths(ctx, inputs, output) -> None:
     spec, x, index, sh = inputs[:4]
     ctx.spec = spec
     ctx.save_for_backward(x, index, sh, *inputs[4:5])
+    ctx.set_materialize_grads(False)  # e.g. in force training, the features' gradient is not in the loss
 
 
 def _paths_backward(ctx, grad):
     x, index, sh = ctx.saved_tensors
     needs = [ctx.needs_input_grad[1], ctx.needs_input_grad[3]]
-    if not any(needs):
+    if not any(needs) or grad is None:
         return None, None, None, None
     gx, gsh = path_features_backward(ctx.spec, x, index, sh, grad.contiguous(), needs)
     return None, gx if needs[0] else None, None, gsh if needs[1] else None
