@@ -286,3 +286,22 @@ def test_path_features_of_a_transposed_input_compile(float64_default):
     torch.library.opcheck(segment_ops.path_features_backward, (tp._spec, x.T, index, sh, torch.randn(7, paths), [True, True]))
     with pytest.raises(ValueError, match="float32 or float64"):
         segment_ops.path_features(tp._spec, x.T.float(), index, sh)
+
+
+def test_force_training_does_no_work_for_gradients_outside_the_loss(float64_default):
+    """The loss of force training does not depend on the features' gradient: its double backward must not run the
+    path features on a zero-filled stand-in for it (the operators' gradients are not materialised)."""
+    from torch.profiler import profile
+
+    layer = _layer(LAYERS[0])
+    pos = torch.randn(12, 3, requires_grad=True)
+    f = layer.irreps_input.randn(12, -1, requires_grad=True)  # its gradient is computed, but not in the loss
+    with profile() as prof:
+        energy = layer(f, pos).pow(2).sum()
+        forces = torch.autograd.grad(energy, pos, create_graph=True)[0]
+        forces.pow(2).sum().backward()
+    calls = {e.key: e.count for e in prof.key_averages() if e.key.startswith("e3attn::path_features")}
+    # products: the forward, and the double backward's for the incoming gradient (one more if it ran on the zeros);
+    # their backward: first order, the double backward's for the features, and the loss's way back through the
+    # path features (one more if it ran on the zeros)
+    assert calls == {"e3attn::path_features": 2, "e3attn::path_features_backward": 3}
