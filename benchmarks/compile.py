@@ -38,11 +38,10 @@ for path in (ROOT, ROOT / "benchmarks"):
         sys.path.insert(0, str(path))
 
 from dense_vs_sparse import sync  # noqa: E402
-from layer import CONFIGS as LAYER_CONFIGS, RADIUS, cloud, setup, write  # noqa: E402
+from layer import CONFIGS, RADIUS, cloud, setup, write  # noqa: E402
 
 from e3attn.attention import EquivariantAttention  # noqa: E402
 
-CONFIGS = LAYER_CONFIGS
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
