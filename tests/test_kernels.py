@@ -216,6 +216,47 @@ def test_kernels_from_several_python_threads_at_once():
     assert all(torch.equal(r, expected) for r in results)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_parallel_runs_every_group_once_and_returns_only_when_all_are_done(threads):
+    """``_parallel`` (the calling thread and a pool drain the groups): each group once, and when one fails the
+    error is raised only once no group runs any more (they write into the caller's buffers)."""
+    import threading
+    import time
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        seen, lock = [], threading.Lock()
+
+        def record(group):
+            with lock:
+                seen.append(group)
+
+        ops._parallel(record, 13)
+        assert sorted(seen) == list(range(13))
+
+        running, started = [0], []
+
+        def task(group):
+            with lock:
+                running[0] += 1
+                started.append(group)
+            try:
+                if group == 1:
+                    raise RuntimeError("group 1 failed")
+                time.sleep(0.01)
+            finally:
+                with lock:
+                    running[0] -= 1
+
+        with pytest.raises(RuntimeError, match="group 1 failed"):
+            ops._parallel(task, 6)
+        assert running == [0] and 1 in started  # nothing still runs, and no group ran twice
+        assert len(started) == len(set(started))
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_fused_operators_refuse_out_of_range_arguments():
     tp, (x, index, sh, hidden, linear, sizes) = _op_args(nodes=5)
     args = [tp._spec, 4, x.detach(), index, sh.detach(), hidden.detach(), linear.detach(), sizes]

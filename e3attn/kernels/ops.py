@@ -25,6 +25,7 @@ derivative stays on the fused kernels.
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import threading
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -112,15 +113,16 @@ def _gradients(x, index, needs, gx_edges, gsh, ghidden, glin_groups):
             glin_groups.sum(0) if need_linear else empty.clone())
 
 
-_POOLS: Dict[int, concurrent.futures.ThreadPoolExecutor] = {}  # by number of threads
+_POOLS: Dict[int, concurrent.futures.ThreadPoolExecutor] = {}  # by number of pool threads
 _POOLS_LOCK = threading.Lock()
 
 
 def _parallel(task: Callable[[int], None], groups: int) -> None:
     """``task(g)`` for every group ``g``, on as many threads as torch's operations use.
 
-    The kernels release the GIL, so plain threads run them in parallel; idle threads take the next
-    group, which keeps a busy core from holding the others up. Safe to call from several threads.
+    The kernels release the GIL, so plain threads run them in parallel: the calling thread and
+    ``threads - 1`` pool threads each take the next group until none is left (a busy core holds no one
+    up, and one hand-off per thread, not per group, keeps small calls cheap). Safe to call from several threads.
     """
     threads = min(torch.get_num_threads(), groups)
     if threads <= 1:
@@ -128,11 +130,23 @@ def _parallel(task: Callable[[int], None], groups: int) -> None:
             task(group)
         return
     with _POOLS_LOCK:
-        pool = _POOLS.get(threads)
+        pool = _POOLS.get(threads - 1)
         if pool is None:
-            pool = _POOLS[threads] = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="e3attn")
-    for future in [pool.submit(task, group) for group in range(groups)]:
-        future.result()
+            pool = _POOLS[threads - 1] = concurrent.futures.ThreadPoolExecutor(threads - 1, thread_name_prefix="e3attn")
+    claim = itertools.count().__next__  # atomic under the GIL
+
+    def drain() -> None:
+        group = claim()
+        while group < groups:
+            task(group)
+            group = claim()
+
+    helpers = [pool.submit(drain) for _ in range(threads - 1)]
+    try:
+        drain()
+    finally:  # the helpers write into the caller's buffers: wait for them even if this thread failed
+        for future in helpers:
+            future.result()
 
 
 def _forward_groups(num: int, tile: int) -> int:
