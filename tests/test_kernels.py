@@ -216,25 +216,35 @@ def test_kernels_from_several_python_threads_at_once():
     assert all(torch.equal(r, expected) for r in results)
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_parallel_runs_every_group_once_and_returns_only_when_all_are_done(threads):
-    """``_parallel`` (the calling thread and a pool drain the groups): each group once, and when one fails the
-    error is raised only once no group runs any more (they write into the caller's buffers)."""
+@pytest.fixture(params=["openmp", "python"])
+def kernel_threads(request, monkeypatch):
+    """Both backends of :mod:`e3attn.kernels.threads` (PyTorch's OpenMP threads where its runtime has them)."""
+    from e3attn.kernels import threads
+
+    monkeypatch.setenv("E3ATTN_KERNEL_THREADS", request.param)
+    if threads.backend() != request.param:
+        pytest.skip(f"PyTorch's OpenMP runtime has no GOMP_parallel here (backend {threads.backend()})")
+    return threads
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+def test_parallel_runs_every_group_once_and_returns_only_when_all_are_done(kernel_threads, num_threads):
+    """Each group once, and when one fails the error is raised only once no group runs any more (they write
+    into the caller's buffers)."""
     import threading
     import time
 
     previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(num_threads)
     try:
         seen, lock = [], threading.Lock()
 
         def record(group):
             with lock:
-                seen.append(group)
+                seen.append((group, threading.get_ident()))
 
-        ops._parallel(record, 13)
-        assert sorted(seen) == list(range(13))
-
+        kernel_threads.parallel(record, 13)
+        assert sorted(g for g, _ in seen) == list(range(13))
         running, started = [0], []
 
         def task(group):
@@ -250,9 +260,33 @@ def test_parallel_runs_every_group_once_and_returns_only_when_all_are_done(threa
                     running[0] -= 1
 
         with pytest.raises(RuntimeError, match="group 1 failed"):
-            ops._parallel(task, 6)
+            kernel_threads.parallel(task, 6)
         assert running == [0] and 1 in started  # nothing still runs, and no group ran twice
         assert len(started) == len(set(started))
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_layer_is_bitwise_the_same_on_either_threads_backend(kernel_threads, float64_default):
+    """Results (values and gradients, forces included) do not depend on the threads that run the kernels."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(0)
+        layer = EquivariantAttention("4x0e + 2x1o", "4x0e + 2x1o", "4x0e + 2x1o", "4x0e + 2x1o", max_radius=1.0,
+                                     num_heads=2)
+        pos = (torch.rand(60, 3) * 2).requires_grad_()
+        f = torch.randn(60, layer.irreps_input.dim, requires_grad=True)
+
+        def run():
+            energy = layer(f, pos).pow(2).sum()
+            (forces,) = torch.autograd.grad(energy, pos, create_graph=True)
+            return [energy.detach(), forces.detach(), *torch.autograd.grad(forces.pow(2).sum(), [f, pos])]
+
+        results = run()
+        for backend in ("python", "openmp"):
+            os.environ["E3ATTN_KERNEL_THREADS"] = backend
+            assert all(torch.equal(a, b) for a, b in zip(run(), results))
     finally:
         torch.set_num_threads(previous)
 

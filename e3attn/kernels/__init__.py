@@ -6,7 +6,8 @@ On the CPU, :class:`~e3attn.attention.EquivariantAttention` contracts its radial
 * :mod:`e3attn.kernels.segments`: a numba kernel over the nodes (``node_pass``) and one for the
   path features, compiled on first use (once per dtype) and cached on disk;
 * :mod:`e3attn.kernels.segment_ops`: their custom operators, each one's gradients computed by the other, so
-  every order of derivative (forces and their training) runs on them.
+  every order of derivative (forces and their training) runs on them;
+* :mod:`e3attn.kernels.threads`: the threads that run them (PyTorch's own OpenMP threads where possible).
 
 Elsewhere, :meth:`SphericalTensorProduct.forward_factored <e3attn.tensor_product.SphericalTensorProduct.forward_factored>`
 forms keys and values per edge in one compiled pass over the edges per direction, forces included (the second

@@ -24,16 +24,14 @@ derivative stays on the fused kernels.
 """
 from __future__ import annotations
 
-import concurrent.futures
-import itertools
-import threading
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from . import cpu
 from .layout import layout_for, output_dim
+from .threads import parallel
 
 __all__ = ["fused_product", "fused_product_backward", "fused_product_backward_backward"]
 
@@ -113,42 +111,6 @@ def _gradients(x, index, needs, gx_edges, gsh, ghidden, glin_groups):
             glin_groups.sum(0) if need_linear else empty.clone())
 
 
-_POOLS: Dict[int, concurrent.futures.ThreadPoolExecutor] = {}  # by number of pool threads
-_POOLS_LOCK = threading.Lock()
-
-
-def _parallel(task: Callable[[int], None], groups: int) -> None:
-    """``task(g)`` for every group ``g``, on as many threads as torch's operations use.
-
-    The kernels release the GIL, so plain threads run them in parallel: the calling thread and
-    ``threads - 1`` pool threads each take the next group until none is left (a busy core holds no one
-    up, and one hand-off per thread, not per group, keeps small calls cheap). Safe to call from several threads.
-    """
-    threads = min(torch.get_num_threads(), groups)
-    if threads <= 1:
-        for group in range(groups):
-            task(group)
-        return
-    with _POOLS_LOCK:
-        pool = _POOLS.get(threads - 1)
-        if pool is None:
-            pool = _POOLS[threads - 1] = concurrent.futures.ThreadPoolExecutor(threads - 1, thread_name_prefix="e3attn")
-    claim = itertools.count().__next__  # atomic under the GIL
-
-    def drain() -> None:
-        group = claim()
-        while group < groups:
-            task(group)
-            group = claim()
-
-    helpers = [pool.submit(drain) for _ in range(threads - 1)]
-    try:
-        drain()
-    finally:  # the helpers write into the caller's buffers: wait for them even if this thread failed
-        for future in helpers:
-            future.result()
-
-
 def _forward_groups(num: int, tile: int) -> int:
     """Groups of tiles of the forward: a few per thread (no reduction: any split gives the same result)."""
     return max(1, min((num + tile - 1) // tile, 4 * torch.get_num_threads()))
@@ -198,7 +160,7 @@ def fused_product(spec: str, tile: int, x: torch.Tensor, index: Optional[torch.T
     out = sh.new_empty(sh.shape[0], output_dim(spec))
     data, structure, tile = _cpu_arguments(spec, tile, x, index, sh, hidden, linear, hidden_sizes)
     groups, array = _forward_groups(sh.shape[0], tile), out.numpy()
-    _parallel(lambda group: cpu.forward(*data, structure, tile, group, groups, array), groups)
+    parallel(lambda group: cpu.forward(*data, structure, tile, group, groups, array), groups)
     return out
 
 
@@ -220,7 +182,7 @@ def fused_product_backward(spec: str, tile: int, x: torch.Tensor, index: Optiona
     data, structure, tile = _cpu_arguments(spec, tile, x, index, sh, hidden, linear, hidden_sizes)
     buffers = _gradient_buffers(x, sh, hidden, linear, need_inputs, needs[2], needs[3])
     arrays = [t.numpy() for t in buffers]
-    _parallel(lambda group: cpu.backward(*data, _array(grad), structure, tile, need_inputs, needs[2], needs[3],
+    parallel(lambda group: cpu.backward(*data, _array(grad), structure, tile, need_inputs, needs[2], needs[3],
                                          *arrays, group), cpu.GROUPS)
     return _gradients(x, index, needs, *buffers)
 
@@ -251,7 +213,7 @@ def fused_product_backward_backward(
     directions = [_array(v) if v is not None else np.empty((0, 0), data[0].dtype) for v in (vx, vsh, vhidden)]
     arrays = [ggrad.numpy(), *(t.numpy() for t in buffers)]
     vlin = _array(vlinear) if vlinear is not None else np.empty(0, data[0].dtype)
-    _parallel(lambda group: cpu.backward_backward(*data, _array(grad), *directions, vlin, structure, tile, need_grad,
+    parallel(lambda group: cpu.backward_backward(*data, _array(grad), *directions, vlin, structure, tile, need_grad,
                                                   need_inputs, need_hidden, need_linear, *arrays, group), cpu.GROUPS)
     return (ggrad, *_gradients(x, index, needs[1:], *buffers))
 

@@ -35,7 +35,8 @@ import torch
 
 from . import cpu, segments
 from .layout import layout_for
-from .ops import _array, _forward_groups, _parallel
+from .ops import _array, _forward_groups
+from .threads import parallel
 
 __all__ = ["node_expand", "node_outer", "path_features", "path_features_backward"]
 
@@ -121,7 +122,7 @@ def node_expand(y: Optional[torch.Tensor], a: Optional[torch.Tensor], z: torch.T
     empty = np.empty((0, dims[3]), _NUMPY[z.dtype])
     arrays = (out_t.view(-1).numpy(), out_r.numpy(), empty, empty)
     groups = _node_groups(rowptr)
-    _parallel(lambda g: segments.node_pass(y_, a_, z_, lt_, table, dims[0], dims[1], ptr, g, groups, *arrays), groups)
+    parallel(lambda g: segments.node_pass(y_, a_, z_, lt_, table, dims[0], dims[1], ptr, g, groups, *arrays), groups)
     return out_t, out_r
 
 
@@ -136,7 +137,7 @@ def node_outer(a: torch.Tensor, y: torch.Tensor, lt: Optional[torch.Tensor], z: 
     glt = y.new_empty(cpu.GROUPS if z is not None else 0, dims[4])
     arrays = (np.empty(0, _NUMPY[y.dtype]), np.empty((0, dims[2]), _NUMPY[y.dtype]), out_o.numpy(), glt.numpy())
     groups = cpu.GROUPS if z is not None else _node_groups(rowptr)
-    _parallel(lambda g: segments.node_pass(y_, a_, z_, lt_, table, dims[0], dims[1], ptr, g, groups, *arrays), groups)
+    parallel(lambda g: segments.node_pass(y_, a_, z_, lt_, table, dims[0], dims[1], ptr, g, groups, *arrays), groups)
     return out_o, glt.sum(0) if z is not None else glt.new_empty(0)
 
 
@@ -190,7 +191,7 @@ def path_features(spec: str, x: torch.Tensor, index: torch.Tensor, sh: torch.Ten
     groups = _forward_groups(sh.shape[0], tile)
     empty = np.empty((0, paths), data[0].dtype)
     arrays = (out.numpy(), np.empty((0, x.shape[1]), data[0].dtype), np.empty((0, sh.shape[1]), data[0].dtype))
-    _parallel(lambda group: segments.path_features(*data, empty, structure, tile, group, groups, *arrays), groups)
+    parallel(lambda group: segments.path_features(*data, empty, structure, tile, group, groups, *arrays), groups)
     return out
 
 
@@ -205,7 +206,7 @@ def path_features_backward(spec: str, x: torch.Tensor, index: torch.Tensor, sh: 
     tile = _TILE
     groups = _forward_groups(sh.shape[0], tile)
     arrays = (np.empty((0, paths), data[0].dtype), gx_edges.numpy(), gsh.numpy())
-    _parallel(lambda group: segments.path_features(*data, _array(grad), structure, tile, group, groups, *arrays),
+    parallel(lambda group: segments.path_features(*data, _array(grad), structure, tile, group, groups, *arrays),
               groups)
     gx = x.new_zeros(x.shape).index_add_(0, index, gx_edges) if needs[0] else x.new_empty(0)
     return gx, gsh if needs[1] else sh.new_empty(0)
