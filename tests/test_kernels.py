@@ -204,7 +204,19 @@ def test_fused_backward_backward_operator(directions):
         torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-11)
 
 
-def test_kernels_from_several_python_threads_at_once():
+@pytest.fixture(params=["openmp", "python"])
+def kernel_threads(request, monkeypatch):
+    """Both backends of :mod:`e3attn.kernels.threads` (PyTorch's OpenMP threads where its runtime has them)."""
+    from e3attn.kernels import threads
+
+    monkeypatch.setenv("E3ATTN_KERNEL_THREADS", request.param)
+    monkeypatch.setattr(threads, "SERIAL_BELOW", 0)  # small test cases on the threads too
+    if threads.backend() != request.param:
+        pytest.skip(f"PyTorch's OpenMP runtime has no GOMP_parallel here (backend {threads.backend()})")
+    return threads
+
+
+def test_kernels_from_several_python_threads_at_once(kernel_threads):
     """Concurrent calls (e.g. a threaded server) give the results of sequential calls."""
     import concurrent.futures
 
@@ -214,17 +226,6 @@ def test_kernels_from_several_python_threads_at_once():
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda _: ops.fused_product(*args), range(8)))
     assert all(torch.equal(r, expected) for r in results)
-
-
-@pytest.fixture(params=["openmp", "python"])
-def kernel_threads(request, monkeypatch):
-    """Both backends of :mod:`e3attn.kernels.threads` (PyTorch's OpenMP threads where its runtime has them)."""
-    from e3attn.kernels import threads
-
-    monkeypatch.setenv("E3ATTN_KERNEL_THREADS", request.param)
-    if threads.backend() != request.param:
-        pytest.skip(f"PyTorch's OpenMP runtime has no GOMP_parallel here (backend {threads.backend()})")
-    return threads
 
 
 @pytest.mark.parametrize("num_threads", [1, 2, 3])
@@ -243,7 +244,7 @@ def test_parallel_runs_every_group_once_and_returns_only_when_all_are_done(kerne
             with lock:
                 seen.append((group, threading.get_ident()))
 
-        kernel_threads.parallel(record, 13)
+        kernel_threads.parallel(record, 13, work=1)
         assert sorted(g for g, _ in seen) == list(range(13))
         running, started = [0], []
 
@@ -260,9 +261,13 @@ def test_parallel_runs_every_group_once_and_returns_only_when_all_are_done(kerne
                     running[0] -= 1
 
         with pytest.raises(RuntimeError, match="group 1 failed"):
-            kernel_threads.parallel(task, 6)
+            kernel_threads.parallel(task, 6, work=1)
         assert running == [0] and 1 in started  # nothing still runs, and no group ran twice
         assert len(started) == len(set(started))
+        seen.clear()
+        kernel_threads.SERIAL_BELOW = 100
+        kernel_threads.parallel(record, 13, work=99)  # too little work for threads: all on the calling thread
+        assert [g for g, _ in seen] == list(range(13)) and {t for _, t in seen} == {threading.get_ident()}
     finally:
         torch.set_num_threads(previous)
 

@@ -111,6 +111,11 @@ def _gradients(x, index, needs, gx_edges, gsh, ghidden, glin_groups):
             glin_groups.sum(0) if need_linear else empty.clone())
 
 
+def _work(sh: torch.Tensor, linear: torch.Tensor) -> int:
+    """The multiply-adds of the product's weights on every edge (most of a kernel's), for :func:`parallel`."""
+    return sh.shape[0] * linear.shape[0]
+
+
 def _forward_groups(num: int, tile: int) -> int:
     """Groups of tiles of the forward: a few per thread (no reduction: any split gives the same result)."""
     return max(1, min((num + tile - 1) // tile, 4 * torch.get_num_threads()))
@@ -160,7 +165,7 @@ def fused_product(spec: str, tile: int, x: torch.Tensor, index: Optional[torch.T
     out = sh.new_empty(sh.shape[0], output_dim(spec))
     data, structure, tile = _cpu_arguments(spec, tile, x, index, sh, hidden, linear, hidden_sizes)
     groups, array = _forward_groups(sh.shape[0], tile), out.numpy()
-    parallel(lambda group: cpu.forward(*data, structure, tile, group, groups, array), groups)
+    parallel(lambda group: cpu.forward(*data, structure, tile, group, groups, array), groups, _work(sh, linear))
     return out
 
 
@@ -183,7 +188,7 @@ def fused_product_backward(spec: str, tile: int, x: torch.Tensor, index: Optiona
     buffers = _gradient_buffers(x, sh, hidden, linear, need_inputs, needs[2], needs[3])
     arrays = [t.numpy() for t in buffers]
     parallel(lambda group: cpu.backward(*data, _array(grad), structure, tile, need_inputs, needs[2], needs[3],
-                                         *arrays, group), cpu.GROUPS)
+                                         *arrays, group), cpu.GROUPS, 2 * _work(sh, linear))
     return _gradients(x, index, needs, *buffers)
 
 
@@ -214,7 +219,8 @@ def fused_product_backward_backward(
     arrays = [ggrad.numpy(), *(t.numpy() for t in buffers)]
     vlin = _array(vlinear) if vlinear is not None else np.empty(0, data[0].dtype)
     parallel(lambda group: cpu.backward_backward(*data, _array(grad), *directions, vlin, structure, tile, need_grad,
-                                                  need_inputs, need_hidden, need_linear, *arrays, group), cpu.GROUPS)
+                                                  need_inputs, need_hidden, need_linear, *arrays, group), cpu.GROUPS,
+             3 * _work(sh, linear))
     return (ggrad, *_gradients(x, index, needs[1:], *buffers))
 
 

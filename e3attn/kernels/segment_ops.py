@@ -122,7 +122,8 @@ def node_expand(y: Optional[torch.Tensor], a: Optional[torch.Tensor], z: torch.T
     empty = np.empty((0, dims[3]), _NUMPY[z.dtype])
     arrays = (out_t.view(-1).numpy(), out_r.numpy(), empty, empty)
     groups = _node_groups(rowptr)
-    parallel(lambda g: segments.node_pass(y_, a_, z_, lt_, table, dims[0], dims[1], ptr, g, groups, *arrays), groups)
+    parallel(lambda g: segments.node_pass(y_, a_, z_, lt_, table, dims[0], dims[1], ptr, g, groups, *arrays), groups,
+             num * dims[0] * dims[1] * dims[2])
     return out_t, out_r
 
 
@@ -137,7 +138,8 @@ def node_outer(a: torch.Tensor, y: torch.Tensor, lt: Optional[torch.Tensor], z: 
     glt = y.new_empty(cpu.GROUPS if z is not None else 0, dims[4])
     arrays = (np.empty(0, _NUMPY[y.dtype]), np.empty((0, dims[2]), _NUMPY[y.dtype]), out_o.numpy(), glt.numpy())
     groups = cpu.GROUPS if z is not None else _node_groups(rowptr)
-    parallel(lambda g: segments.node_pass(y_, a_, z_, lt_, table, dims[0], dims[1], ptr, g, groups, *arrays), groups)
+    parallel(lambda g: segments.node_pass(y_, a_, z_, lt_, table, dims[0], dims[1], ptr, g, groups, *arrays), groups,
+             y.shape[0] * dims[0] * dims[1] * dims[2])
     return out_o, glt.sum(0) if z is not None else glt.new_empty(0)
 
 
@@ -183,6 +185,12 @@ def _path_arguments(spec: str, x: torch.Tensor, index: torch.Tensor, sh: torch.T
     return data, structure, paths
 
 
+def _path_work(x: torch.Tensor, sh: torch.Tensor, structure: tuple, paths: int) -> int:
+    """The path features' work for :func:`~e3attn.kernels.threads.parallel`: a multiply-add per coefficient and
+    edge, and about eight per number gathered, transposed or stored (what most of their time goes to)."""
+    return sh.shape[0] * (structure[3].shape[0] + 8 * (x.shape[1] + sh.shape[1] + paths))
+
+
 @torch.library.custom_op("e3attn::path_features", mutates_args=())
 def path_features(spec: str, x: torch.Tensor, index: torch.Tensor, sh: torch.Tensor) -> torch.Tensor:
     """:math:`P(x_{\\mathrm{index}}, Y)` ``[E, paths]`` of the product named by ``spec``."""
@@ -191,7 +199,8 @@ def path_features(spec: str, x: torch.Tensor, index: torch.Tensor, sh: torch.Ten
     groups = _forward_groups(sh.shape[0], tile)
     empty = np.empty((0, paths), data[0].dtype)
     arrays = (out.numpy(), np.empty((0, x.shape[1]), data[0].dtype), np.empty((0, sh.shape[1]), data[0].dtype))
-    parallel(lambda group: segments.path_features(*data, empty, structure, tile, group, groups, *arrays), groups)
+    parallel(lambda group: segments.path_features(*data, empty, structure, tile, group, groups, *arrays), groups,
+             _path_work(x, sh, structure, paths))
     return out
 
 
@@ -207,7 +216,7 @@ def path_features_backward(spec: str, x: torch.Tensor, index: torch.Tensor, sh: 
     groups = _forward_groups(sh.shape[0], tile)
     arrays = (np.empty((0, paths), data[0].dtype), gx_edges.numpy(), gsh.numpy())
     parallel(lambda group: segments.path_features(*data, _array(grad), structure, tile, group, groups, *arrays),
-              groups)
+             groups, 2 * _path_work(x, sh, structure, paths))
     gx = x.new_zeros(x.shape).index_add_(0, index, gx_edges) if needs[0] else x.new_empty(0)
     return gx, gsh if needs[1] else sh.new_empty(0)
 
