@@ -12,12 +12,12 @@ tiles of edges, or of nodes) and release the GIL, so several threads run them at
 * elsewhere, or with the environment variable ``E3ATTN_KERNEL_THREADS=python``, on a pool of Python threads
   with the calling thread.
 
-A call with little work (:data:`SERIAL_BELOW` multiply-adds: on the e3nn guide's layer, graphs of a few hundred
-edges) runs on the calling thread alone: threads gain it nothing there, and beside busy processes a call can
+A call with little work (below :data:`SERIAL_BELOW`; on the e3nn guide's layer, graphs of up to about 3,000
+edges) runs on the calling thread alone: threads gain it nothing, and beside busy processes a parallel call can
 wait a whole scheduler time slice for a thread that was preempted. Otherwise every thread takes the next group
-until none is left (a thread held up on a busy core holds nobody
-else up), and the call returns once every group is done; an error raised by a group is raised then. The groups
-write disjoint outputs (or buffers of their own, summed in order), so results do not depend on the threads.
+until none is left (a thread held up on a busy core holds nobody else up), and the call returns once every group
+is done; an error raised by a group is raised then. The groups write disjoint outputs (or buffers of their own,
+summed in order), so results do not depend on the threads.
 """
 from __future__ import annotations
 
@@ -31,13 +31,12 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-__all__ = ["parallel", "backend"]
+__all__ = ["parallel", "backend", "SERIAL_BELOW"]
 
 _Task = Callable[[int], None]
 
 
-# below this many multiply-adds (a few tenths of a millisecond) a call runs on the calling thread: a parallel call
-# costs tens of microseconds, gains little, and beside busy processes can wait a time slice for a preempted thread
+#: The work (multiply-adds, roughly: a few tenths of a millisecond) below which a call runs on the calling thread.
 SERIAL_BELOW = 4_000_000
 
 
