@@ -6,7 +6,7 @@ from typing import Callable, List, Tuple
 import torch
 
 from .heads import MultiHeadDot, head_index
-from .kernels.layout import layout_for
+from .kernels.layout import layout_for, padded_paths
 from .tensor_product import SphericalTensorProduct
 
 __all__ = ["NodeContraction"]
@@ -41,7 +41,8 @@ class NodeContraction(torch.nn.Module):
     and contracts it with :math:`L^{(v)}`. Two operators, each the other's derivative, do all the work of keys and
     values, to any order of derivative. For the e3nn guide's layer that is 2.8x (forward) and 3.4x (backward)
     fewer operations than forming the weights :math:`w_e` of every edge, and no per-edge keys, values or
-    weights are stored, only the path features :math:`y_e`. The edges must be sorted by destination
+    weights are stored, only the path features :math:`y_e` (their columns padded with zeros to a multiple of 8,
+    :func:`~e3attn.kernels.layout.padded_paths`). The edges must be sorted by destination
     (``rowptr``, the CSR layout of the layer's graph). The module holds only index tensors (non-persistent
     buffers): the layout of the keys and values per block of the product.
 
@@ -89,7 +90,7 @@ class NodeContraction(torch.nn.Module):
             self.register_buffer(f"_{name}_weights", cat[1], persistent=False)
             self.register_buffer(f"_{name}_blocks", torch.tensor(tables[t], dtype=torch.long).reshape(-1, 6),
                                  persistent=False)
-            self._dims.append([num_heads, hidden, self.num_paths, cat[0].numel(), cat[1].numel()])
+            self._dims.append([num_heads, hidden, padded_paths(self.num_paths), cat[0].numel(), cat[1].numel()])
         self.register_buffer("_value_order", torch.argsort(self._value_columns), persistent=False)
 
     def attend(self, f: torch.Tensor, index: torch.Tensor, sh: torch.Tensor, hidden: List[torch.Tensor],

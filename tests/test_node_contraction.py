@@ -109,11 +109,13 @@ def test_path_features_equal_the_products_steps(float64_default):
     x, sh = torch.randn(5, tp.irreps_in.dim, requires_grad=True), torch.randn(7, 9, requires_grad=True)
     index = torch.tensor([0, 4, 1, 1, 2, 3, 0])
     ys = tp._products(x[index].T, sh.T, tp.constant("cg", torch.float64))
-    order, paths = segment_ops.component_major_paths(tp._spec)
+    order, columns = segment_ops.component_major_paths(tp._spec)
     reference = torch.cat([y.reshape(-1, 7) for y in ys if y is not None]).T  # (group, path, component)
     got = segment_ops.path_features(tp._spec, x, index, sh)
+    assert got.shape == (7, columns) and columns % 8 == 0 and len(order) <= columns < len(order) + 8
     torch.testing.assert_close(got[:, torch.as_tensor(order)], reference, atol=1e-14, rtol=0)
-    assert sorted(order.tolist()) == list(range(paths))
+    assert sorted(order.tolist()) == list(range(len(order)))
+    assert (got[:, len(order):] == 0).all()  # the padding
     assert torch.autograd.gradcheck(lambda x, sh: segment_ops.path_features(tp._spec, x, index, sh), (x, sh))
     assert torch.autograd.gradgradcheck(lambda x, sh: segment_ops.path_features(tp._spec, x, index, sh), (x, sh))
 

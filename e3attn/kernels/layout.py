@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from e3nn import o3
 
-__all__ = ["KernelLayout", "kernel_layout", "layout_for", "output_dim"]
+__all__ = ["KernelLayout", "kernel_layout", "layout_for", "output_dim", "padded_paths"]
 
 # columns of ``KernelLayout.blocks``
 BLOCK_FIELDS = ("output", "path_offset", "k", "dim_l", "width", "weight_offset", "channel_offset")
@@ -123,3 +123,9 @@ def layout_for(spec: str) -> KernelLayout:
 
         layout = _LAYOUTS[spec] = kernel_layout(_structure(spec))
     return layout
+
+
+def padded_paths(num_paths: int) -> int:
+    """The columns of the node kernels' path features: ``num_paths`` padded with zeros to a multiple of 8, so that
+    their loops along the paths run in whole vectors, without a scalar remainder."""
+    return -(-num_paths // 8) * 8

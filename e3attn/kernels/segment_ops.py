@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from . import cpu, segments
-from .layout import layout_for
+from .layout import layout_for, padded_paths
 from .ops import _array, _forward_groups
 from .threads import parallel
 
@@ -156,8 +156,9 @@ def _(a, y, lt, z, blocks, rowptr, dims):
 
 @functools.lru_cache(maxsize=None)
 def component_major_paths(spec: str) -> Tuple[np.ndarray, int]:
-    """The index ``p`` of every path feature of the product named by ``spec`` in the order of this module,
-    (degree group, component ``m``, path ``k``) instead of the layout's (group, ``k``, ``m``), and their number."""
+    """The column of every path feature ``p`` of the product named by ``spec`` in the order of this module,
+    (degree group, component ``m``, path ``k``) instead of the layout's (group, ``k``, ``m``), and the number of
+    columns (:func:`~e3attn.kernels.layout.padded_paths`: the last ones are zeros)."""
     layout = layout_for(spec)
     groups = sorted({(int(b[1]), int(b[2]), int(b[3])) for b in layout.blocks})  # (offset, K, 2l+1)
     starts = np.asarray([g[0] for g in groups] + [layout.num_paths], dtype=np.int64)
@@ -165,7 +166,7 @@ def component_major_paths(spec: str) -> Tuple[np.ndarray, int]:
     g = np.searchsorted(starts, p, side="right") - 1
     kdim, dim_l = np.asarray([x[1] for x in groups])[g], np.asarray([x[2] for x in groups])[g]
     local = p - starts[g]
-    return starts[g] + (local % dim_l) * kdim + local // dim_l, layout.num_paths
+    return starts[g] + (local % dim_l) * kdim + local // dim_l, padded_paths(layout.num_paths)
 
 
 def _path_arguments(spec: str, x: torch.Tensor, index: torch.Tensor, sh: torch.Tensor):
@@ -223,7 +224,7 @@ def path_features_backward(spec: str, x: torch.Tensor, index: torch.Tensor, sh: 
 
 @path_features.register_fake
 def _(spec, x, index, sh):
-    return sh.new_empty(sh.shape[0], layout_for(spec).num_paths)
+    return sh.new_empty(sh.shape[0], padded_paths(layout_for(spec).num_paths))
 
 
 @path_features_backward.register_fake
