@@ -36,7 +36,7 @@ __all__ = ["parallel", "backend", "SERIAL_BELOW"]
 _Task = Callable[[int], None]
 
 
-#: The work (multiply-adds, roughly: a few tenths of a millisecond) below which a call runs on the calling thread.
+#: Calls with less work than this (in multiply-adds, about a few tenths of a millisecond) run on the calling thread.
 SERIAL_BELOW = 4_000_000
 
 
