@@ -272,6 +272,14 @@ def test_parallel_runs_every_group_once_and_returns_only_when_all_are_done(kerne
         torch.set_num_threads(previous)
 
 
+def test_threads_backend_refuses_an_unknown_choice(monkeypatch):
+    from e3attn.kernels import threads
+
+    monkeypatch.setenv("E3ATTN_KERNEL_THREADS", "tbb")
+    with pytest.raises(ValueError, match="E3ATTN_KERNEL_THREADS must be 'openmp' or 'python', got 'tbb'"):
+        threads.backend()
+
+
 def test_layer_is_bitwise_the_same_on_either_threads_backend(kernel_threads, float64_default):
     """Results (values and gradients, forces included) do not depend on the threads that run the kernels."""
     previous = torch.get_num_threads()

@@ -55,9 +55,10 @@ def parallel(task: _Task, groups: int, work: int) -> None:
 def backend() -> str:
     """``"openmp"`` (PyTorch's OpenMP threads) or ``"python"`` (a pool of Python threads): what :func:`parallel`
     runs on."""
-    if os.environ.get("E3ATTN_KERNEL_THREADS", "openmp") == "python" or _gomp_parallel() is None:
-        return "python"
-    return "openmp"
+    choice = os.environ.get("E3ATTN_KERNEL_THREADS", "openmp")
+    if choice not in ("openmp", "python"):
+        raise ValueError(f"E3ATTN_KERNEL_THREADS must be 'openmp' or 'python', got {choice!r}")
+    return "python" if choice == "python" or _gomp_parallel() is None else "openmp"
 
 
 def _drain(task: _Task, groups: int, claim: Callable[[], int]) -> None:
