@@ -22,6 +22,12 @@ def entries(irreps: o3.Irreps) -> List[Tuple[int, int, int]]:
     return [(mul, ir.l, ir.p) for mul, ir in irreps if mul > 0]
 
 
+def entry_starts(irreps_entries: List[Tuple[int, int, int]]) -> List[int]:
+    """The first column of every entry ``(mul, l, p)`` in the flat features."""
+    dims = [mul * (2 * l + 1) for mul, l, _ in irreps_entries]
+    return [sum(dims[:k]) for k in range(len(dims))]
+
+
 def split_entries(x: torch.Tensor, irreps_entries: List[Tuple[int, int, int]]) -> List[torch.Tensor]:
     """Split ``x [B, dim]`` into ``[B, mul, 2l+1]`` views, one per entry."""
     sizes = [mul * (2 * l + 1) for mul, l, _ in irreps_entries]

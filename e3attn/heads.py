@@ -7,8 +7,9 @@ from typing import Sequence
 import torch
 from e3nn import o3
 
+from ._block_matrix import BlockMatrix
 from ._checks import check_dtype, check_int
-from ._irreps import IrrepsLike, as_irreps, entries, split_entries
+from ._irreps import IrrepsLike, as_irreps, entries, entry_starts, split_entries
 
 __all__ = ["split_heads", "head_index", "scale_heads", "MultiHeadDot"]
 
@@ -89,8 +90,8 @@ class MultiHeadDot(torch.nn.Module):
 
     with :math:`C^{ll0}_{mm0} = \pm 1/\sqrt{2l+1}` e3nn's Wigner 3j symbol and
     :math:`P_h = \sum_{(a, b)} U_a V_b` the number of weights of the head.
-    The weights act on the queries per node (cheap), then one elementwise
-    product per edge gives the logits.
+    The weights act on the queries per node (cheap; for small irreps as one dense matrix product,
+    like :class:`~e3attn.linear.IrrepsLinear`), then one elementwise product per edge gives the logits.
 
     Args:
         irreps_query: query irreps (all heads).
@@ -133,11 +134,23 @@ class MultiHeadDot(torch.nn.Module):
             float(o3.wigner_3j(self._q[a][1], self._q[a][1], 0, dtype=torch.float64)[0, 0, 0]) / math.sqrt(numel)
             for a, _ in self._paths
         ]
+        # the same map as one [query dim, H D] matrix: head h reads its channels of every query block and writes the
+        # h-th row of the [H, D] layout of the keys (see key_heads)
+        q_starts, k_starts = entry_starts(self._q), entry_starts(self._k)
+        head_dim = self.irreps_key.dim // num_heads
+        offsets = [sum(self._sizes[:k]) for k in range(len(self._sizes))]
+        self._matrix = BlockMatrix(self.irreps_query.dim, self.irreps_key.dim, [
+            (h * numel + offset, self._q[a][0] // num_heads, self._k[b][0] // num_heads, 2 * self._q[a][1] + 1,
+             q_starts[a] + h * (self._q[a][0] // num_heads) * (2 * self._q[a][1] + 1),
+             h * head_dim + k_starts[b] // num_heads, c)
+            for h in range(num_heads) for offset, (a, b), c in zip(offsets, self._paths, self._coeff)])
 
     def project_query(self, q: torch.Tensor) -> torch.Tensor:
         """Apply the weights to the queries, in the layout of :meth:`key_heads`."""
         check_dtype(q, "q", self.weight.dtype, "the module")
         n, h = q.shape[0], self.num_heads
+        if self._matrix.dense:  # small irreps: one matrix product (see e3attn._block_matrix)
+            return (q @ self._matrix.matrix(self.weight)).view(n, h, self.irreps_key.dim // h)
         qs = [x.reshape(n, h, x.shape[1] // h, x.shape[2]) for x in split_entries(q, self._q)]
         outs = [q.new_zeros(n, h, mul // h, 2 * l + 1) for mul, l, _ in self._k]
         for (a, b), w, c in zip(self._paths, self.weight.split(self._sizes, dim=1), self._coeff):

@@ -6,8 +6,9 @@ from typing import List
 
 import torch
 
+from ._block_matrix import BlockMatrix
 from ._checks import check_dtype
-from ._irreps import IrrepsLike, as_irreps, entries, split_entries
+from ._irreps import IrrepsLike, as_irreps, entries, entry_starts, split_entries
 
 __all__ = ["IrrepsLinear"]
 
@@ -23,6 +24,9 @@ class IrrepsLinear(torch.nn.Module):
     The weights are one flat parameter, ordered like e3nn's ``o3.Linear``
     (path ``(a, c)`` in order of ``a`` then ``c``, each a ``[U_a, W_c]`` block),
     so they can be copied to and from e3nn. Output irreps that no input reaches are zero.
+    For small irreps the map runs as one matrix product, the weights scattered into a dense
+    ``[irreps_in.dim, irreps_out.dim]`` matrix (while that needs at most 4 times the multiply-adds of the
+    blocks: a few PyTorch operations instead of a few per block); otherwise one product per block.
 
     Args:
         irreps_in: input irreps.
@@ -54,9 +58,16 @@ class IrrepsLinear(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.randn(sum(sizes)))
         fan_in = [sum(self._in[a][0] for a, c2 in self._paths if c2 == c) for c in range(len(self._out))]
         self._norm = [1.0 / math.sqrt(n) if n > 0 else 0.0 for n in fan_in]
+        starts_in, starts_out = entry_starts(self._in), entry_starts(self._out)
+        offsets = [sum(sizes[:k]) for k in range(len(sizes))]
+        self._matrix = BlockMatrix(self.irreps_in.dim, self.irreps_out.dim, [
+            (offset, self._in[a][0], self._out[c][0], 2 * self._in[a][1] + 1, starts_in[a], starts_out[c], self._norm[c])
+            for offset, (a, c) in zip(offsets, self._paths)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_dtype(x, "x", self.weight.dtype, "the module")
+        if self._matrix.dense:  # small irreps: one matrix product (see e3attn._block_matrix)
+            return x @ self._matrix.matrix(self.weight)
         xs = split_entries(x, self._in)
         ws = self.weight.split(self._sizes)
         outs: List[torch.Tensor] = [x.new_zeros(x.shape[0], mul, 2 * l + 1) for mul, l, _ in self._out]
@@ -66,3 +77,4 @@ class IrrepsLinear(torch.nn.Module):
         if not outs:
             return x.new_zeros(x.shape[0], 0)
         return torch.cat([o.flatten(1) for o in outs], dim=1)
+
