@@ -137,7 +137,7 @@ class MultiHeadDot(torch.nn.Module):
         # the same map as one [query dim, H D] matrix: head h reads its channels of every query block and writes the
         # h-th row of the [H, D] layout of the keys (see key_heads)
         q_starts, k_starts = entry_starts(self._q), entry_starts(self._k)
-        head_dim = self.irreps_key.dim // num_heads
+        self._head_dim = head_dim = self.irreps_key.dim // num_heads
         offsets = [sum(self._sizes[:k]) for k in range(len(self._sizes))]
         self._matrix = BlockMatrix(self.irreps_query.dim, self.irreps_key.dim, [
             (h * numel + offset, self._q[a][0] // num_heads, self._k[b][0] // num_heads, 2 * self._q[a][1] + 1,
@@ -149,8 +149,8 @@ class MultiHeadDot(torch.nn.Module):
         """Apply the weights to the queries, in the layout of :meth:`key_heads`."""
         check_dtype(q, "q", self.weight.dtype, "the module")
         n, h = q.shape[0], self.num_heads
-        if self._matrix.dense:  # small irreps: one matrix product (see e3attn._block_matrix)
-            return (q @ self._matrix.matrix(self.weight)).view(n, h, self.irreps_key.dim // h)
+        if self._matrix.dense:  # small irreps: one matrix product (e3attn._block_matrix); q's dtype under autocast
+            return (q @ self._matrix.matrix(self.weight)).to(q.dtype).view(n, h, self._head_dim)
         qs = [x.reshape(n, h, x.shape[1] // h, x.shape[2]) for x in split_entries(q, self._q)]
         outs = [q.new_zeros(n, h, mul // h, 2 * l + 1) for mul, l, _ in self._k]
         for (a, b), w, c in zip(self._paths, self.weight.split(self._sizes, dim=1), self._coeff):

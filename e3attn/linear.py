@@ -61,13 +61,14 @@ class IrrepsLinear(torch.nn.Module):
         starts_in, starts_out = entry_starts(self._in), entry_starts(self._out)
         offsets = [sum(sizes[:k]) for k in range(len(sizes))]
         self._matrix = BlockMatrix(self.irreps_in.dim, self.irreps_out.dim, [
-            (offset, self._in[a][0], self._out[c][0], 2 * self._in[a][1] + 1, starts_in[a], starts_out[c], self._norm[c])
+            (offset, self._in[a][0], self._out[c][0], 2 * self._in[a][1] + 1, starts_in[a], starts_out[c],
+             self._norm[c])
             for offset, (a, c) in zip(offsets, self._paths)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_dtype(x, "x", self.weight.dtype, "the module")
-        if self._matrix.dense:  # small irreps: one matrix product (see e3attn._block_matrix)
-            return x @ self._matrix.matrix(self.weight)
+        if self._matrix.dense:  # small irreps: one matrix product (e3attn._block_matrix); x's dtype under autocast
+            return (x @ self._matrix.matrix(self.weight)).to(x.dtype)
         xs = split_entries(x, self._in)
         ws = self.weight.split(self._sizes)
         outs: List[torch.Tensor] = [x.new_zeros(x.shape[0], mul, 2 * l + 1) for mul, l, _ in self._out]
