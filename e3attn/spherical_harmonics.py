@@ -85,5 +85,6 @@ class SphericalHarmonics(Float64ConstantsModule):
             parents, variables = self._parents[rows], self._variables[rows]
             monomials.append(monomials[-1].index_select(0, parents) * u.index_select(0, variables))
             start += size
-        out = self.constant("coefficients", u.dtype).T @ torch.cat(monomials, dim=0)  # [(lmax + 1)^2, E]
-        return out.T.reshape(shape + (out.shape[0],))
+        # [E, (lmax + 1)^2], contiguous: the consumers (e.g. the kernels) need no copy
+        out = torch.cat(monomials, dim=0).T @ self.constant("coefficients", u.dtype)
+        return out.reshape(shape + (out.shape[1],))
