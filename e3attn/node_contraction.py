@@ -103,14 +103,15 @@ class NodeContraction(torch.nn.Module):
         group the edges by the same destinations as ``rowptr`` (the kernels check ``rowptr`` itself, not that)."""
         from .kernels import segment_ops  # imports numba: only where the kernels run
 
-        y = segment_ops.path_features(self.spec, f, index, sh)
+        call = segment_ops.call
+        y = call(segment_ops.path_features, self.spec, f, index, sh)
         zk = q.flatten(1).index_select(1, self._key_columns)
         lk = linear[0].reshape(-1).index_select(0, self._key_weights)
-        t = segment_ops.node_expand(y, None, zk, lk, self._key_blocks, rowptr, self._dims[0])[0]  # [E, heads * hidden]
+        t = call(segment_ops.node_expand, y, None, zk, lk, self._key_blocks, rowptr, self._dims[0])[0]  # [E, J]
         e, heads = t.shape[0], self.num_heads
         logits = (t.reshape(e, heads, self.hidden) * hidden[0][:, None, :]).sum(-1) + log_c[:, None]
         alpha, beta = weight_fn(logits)
         a = (beta[:, :, None] * hidden[1][:, None, :]).flatten(1)
         lv = linear[1].reshape(-1).index_select(0, self._value_weights)
-        out = segment_ops.node_outer(a, y, lv, None, self._value_blocks, rowptr, self._dims[1])[0]
+        out = call(segment_ops.node_outer, a, y, lv, None, self._value_blocks, rowptr, self._dims[1])[0]
         return out.index_select(1, self._value_order), alpha

@@ -1,6 +1,8 @@
 """The attention with its radial weights contracted at the nodes (e3attn.node_contraction, e3attn.kernels.segment_ops):
 the operators against independent references and their own derivatives, the layer against the plain formulation
 (values, first and second derivatives) in float64, edge cases, repeatability, and where it applies."""
+import functools
+
 import pytest
 import torch
 from e3nn import o3
@@ -74,15 +76,22 @@ def test_node_operators_one_output_at_a_time():
     assert segment_ops.node_outer(a, y, None, z, BLOCKS, rowptr, DIMS)[0].numel() == 0
 
 
-def test_node_operators_gradcheck_and_gradgradcheck():
+def _through(route, op):
+    """``op`` called through PyTorch's dispatcher (as under ``torch.compile``) or as the layer calls it in eager mode
+    (``segment_ops.call``: the implementation and autograd without the dispatcher)."""
+    return op if route == "dispatcher" else functools.partial(segment_ops.call, op)
+
+
+@pytest.mark.parametrize("route", ["dispatcher", "eager"])
+def test_node_operators_gradcheck_and_gradgradcheck(route):
     rowptr, _ = _graph(torch.tensor([2, 0, 3]))
     y, a, z, lt = _operands(2, torch.tensor([2, 0, 3]))
 
     def expand(y, a, z, lt):
-        return segment_ops.node_expand(y, a, z, lt, BLOCKS, rowptr, DIMS)
+        return _through(route, segment_ops.node_expand)(y, a, z, lt, BLOCKS, rowptr, DIMS)
 
     def outer(a, y, lt, z):
-        return segment_ops.node_outer(a, y, lt, z, BLOCKS, rowptr, DIMS)
+        return _through(route, segment_ops.node_outer)(a, y, lt, z, BLOCKS, rowptr, DIMS)
 
     for fn, args in ((expand, (y, a, z, lt)), (outer, (a, y, lt, z[:3].detach().clone().requires_grad_()))):
         assert torch.autograd.gradcheck(fn, args)
@@ -103,7 +112,8 @@ def test_node_operators_pass_opcheck():
     torch.library.opcheck(segment_ops.path_features, (tp._spec, x, index, sh))
 
 
-def test_path_features_equal_the_products_steps(float64_default):
+@pytest.mark.parametrize("route", ["dispatcher", "eager"])
+def test_path_features_equal_the_products_steps(route, float64_default):
     """In the order (degree group, component, path) of the node kernels, with their first and second derivatives."""
     tp = SphericalTensorProduct("3x0e + 2x1o + 1x2e", o3.Irreps.spherical_harmonics(2), ["2x0e + 1x1o", "1x2e"])
     x, sh = torch.randn(5, tp.irreps_in.dim, requires_grad=True), torch.randn(7, 9, requires_grad=True)
@@ -111,13 +121,14 @@ def test_path_features_equal_the_products_steps(float64_default):
     ys = tp._products(x[index].T, sh.T, tp.constant("cg", torch.float64))
     order, columns = segment_ops.component_major_paths(tp._spec)
     reference = torch.cat([y.reshape(-1, 7) for y in ys if y is not None]).T  # (group, path, component)
-    got = segment_ops.path_features(tp._spec, x, index, sh)
+    got = _through(route, segment_ops.path_features)(tp._spec, x, index, sh)
     assert got.shape == (7, columns) and columns % 8 == 0 and len(order) <= columns < len(order) + 8
     torch.testing.assert_close(got[:, torch.as_tensor(order)], reference, atol=1e-14, rtol=0)
     assert sorted(order.tolist()) == list(range(len(order)))
     assert (got[:, len(order):] == 0).all()  # the padding
-    assert torch.autograd.gradcheck(lambda x, sh: segment_ops.path_features(tp._spec, x, index, sh), (x, sh))
-    assert torch.autograd.gradgradcheck(lambda x, sh: segment_ops.path_features(tp._spec, x, index, sh), (x, sh))
+    paths = _through(route, segment_ops.path_features)
+    assert torch.autograd.gradcheck(lambda x, sh: paths(tp._spec, x, index, sh), (x, sh))
+    assert torch.autograd.gradgradcheck(lambda x, sh: paths(tp._spec, x, index, sh), (x, sh))
 
 
 def test_node_operators_refuse_what_would_read_out_of_range():
