@@ -82,6 +82,24 @@ def _through(route, op):
     return op if route == "dispatcher" else functools.partial(segment_ops.call, op)
 
 
+def test_one_node_pass_gives_every_output_at_once():
+    """``node_pass`` with all four outputs (expansions and sums sharing one buffer, node after node) equals the
+    operators, with path features that are not zero in the columns no block covers (13-19)."""
+    from e3attn.kernels import segments
+
+    rowptr, _ = _graph()
+    y, a, z, lt = (t.detach() for t in _operands(4))
+    t, r = segment_ops.node_expand(y, a, z, lt, BLOCKS, rowptr, DIMS)
+    o, g = segment_ops.node_outer(a, y, lt, z, BLOCKS, rowptr, DIMS)
+    outs = [torch.empty_like(t).reshape(-1), torch.empty_like(r), torch.empty_like(o), torch.empty(1, DIMS[4],
+                                                                                                      dtype=y.dtype)]
+    segments.node_pass(y.numpy(), a.reshape(-1).numpy(), z.numpy(), lt.numpy(), BLOCKS.numpy(), HEADS, HIDDEN,
+                       rowptr.numpy(), 0, 1, *(x.numpy() for x in outs))  # one group: every node in turn
+    for got, want in zip((outs[0], outs[1], outs[2], outs[3][0]), (t.reshape(-1), r, o, g)):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    assert (y[:, 13:] != 0).all()
+
+
 @pytest.mark.parametrize("route", ["dispatcher", "eager"])
 def test_node_operators_gradcheck_and_gradgradcheck(route):
     rowptr, _ = _graph(torch.tensor([2, 0, 3]))

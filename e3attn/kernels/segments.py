@@ -57,8 +57,8 @@ def _gather(tmp, buf, a, hidden, poff, kdim, dim_l):
 @numba.njit(**_JIT)
 def _expand(buf, z, lt, blocks, heads, hidden, tmp):
     """``buf [J, P] = E(z, L)``: ``buf[a H + h, poff + m K + k] = sum_w z[a, w, m] lt[a, w, h, k]`` per block,
-    per head a small matrix product ``tmp [2l+1, H K] = z_a^T lt_a`` along rows of ``H K``, then copied in."""
-    buf[:, :] = 0.0
+    per head a small matrix product ``tmp [2l+1, H K] = z_a^T lt_a`` along rows of ``H K``, then copied in. The
+    columns of no block are left as they are (zero in :func:`node_pass`)."""
     for b in range(blocks.shape[0]):
         poff, kdim, dim_l, width, loff, zoff = blocks[b]
         size = hidden * kdim
@@ -110,7 +110,7 @@ def node_pass(y, a, z, lt, blocks, heads, hidden, rowptr, gi, groups, out_t, out
     """
     nodes, paths, width = rowptr.shape[0] - 1, y.shape[1], heads * hidden  # an unused y is an empty [0, paths]
     zero = np.zeros(1, z.dtype)[0]
-    buf, tmp, none = np.empty((width, paths), z.dtype), _scratch(blocks, hidden, z), np.empty(0, z.dtype)
+    buf, tmp, none = np.zeros((width, paths), z.dtype), _scratch(blocks, hidden, z), np.empty(0, z.dtype)
     want_t, want_r, want_o, want_g = out_t.shape[0] > 0, out_r.shape[0] > 0, out_o.shape[0] > 0, glt_groups.shape[0] > 0
     if want_g:
         glt_groups[gi] = 0.0
@@ -121,6 +121,8 @@ def node_pass(y, a, z, lt, blocks, heads, hidden, rowptr, gi, groups, out_t, out
                 out_o[i] = 0.0
             continue
         if want_t or want_r:
+            if want_o or want_g:  # buf held the last node's U_i: clear the columns that no block writes
+                buf[:, :] = 0.0
             _expand(buf, z[i], lt, blocks, heads, hidden, tmp)
             if want_t:
                 out_t[start * width : stop * width] = 0.0
