@@ -227,7 +227,9 @@ def _path_features_backward(spec: str, x: torch.Tensor, index: torch.Tensor, sh:
     arrays = (np.empty((0, paths), data[0].dtype), gx_edges.numpy(), gsh.numpy())
     parallel(lambda group: segments.path_features(*data, _array(grad), structure, tile, group, groups, *arrays),
              groups, 2 * _path_work(x, sh, structure, paths))
-    gx = x.new_zeros(x.shape).index_add_(0, index, gx_edges) if needs[0] else x.new_empty(0)
+    gx = x.new_zeros(x.shape) if needs[0] else x.new_empty(0)
+    if needs[0]:  # the gradient of the gather x[index]: rows summed in edge order (bitwise repeatable)
+        segments.add_rows(gx.numpy(), data[1], gx_edges.numpy())
     return gx, gsh if needs[1] else sh.new_empty(0)
 
 

@@ -21,7 +21,7 @@ of :mod:`e3attn.kernels.cpu` along the contiguous path axis. Every kernel writes
 (and the gradient of :math:`L` into its group's buffer), so results do not depend on the number of threads.
 
 :func:`path_features` computes :math:`y_e = P(x_{\mathrm{src}(e)}, Y_e)` or its gradients in tiles of edges,
-edges last, as the fused product does.
+edges last, as the fused product does; :func:`add_rows` sums the gradients of the gathered rows per source node.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import numpy as np
 
 from .cpu import _JIT, _dots, _load, _mac, _paths, _paths_backward, _store
 
-__all__ = ["node_pass", "path_features"]
+__all__ = ["add_rows", "node_pass", "path_features"]
 
 
 # ------------------------------------------------------------------ per node: Q_i = E(z_i, L) and its adjoints
@@ -165,3 +165,13 @@ def path_features(x, index, sh, grad, s, tile, gi, groups, y, gx_edges, gsh):
             yt[:, :n] = 0.0
             _paths(n, xt, sht, s, yt)
             _store(yt, e0, n, y)
+
+
+@numba.njit(**_JIT)
+def add_rows(out, index, rows):
+    """``out[index[e]] += rows[e]`` for every row ``e``, in order (the gradient of a gather; ``index`` is checked by
+    the caller)."""
+    for e in range(index.shape[0]):
+        target, row = out[index[e]], rows[e]
+        for c in range(row.shape[0]):
+            target[c] += row[c]
