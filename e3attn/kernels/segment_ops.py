@@ -26,8 +26,8 @@ the outputs that share its per-node matrix at once. An input given as None leave
 tensors (float32 and float64) only: :func:`e3attn.kernels.segments_enabled` says where the layer uses them.
 
 The layer calls them through :func:`call`: in plain eager mode that runs each operator's implementation and
-autograd directly, as a ``torch.autograd.Function``, without the dispatcher's cost per call (about 0.2-0.3 ms at
-1,000 nodes); under ``torch.compile`` (and dispatch modes, tensor subclasses) through the registered operators.
+autograd directly, as a ``torch.autograd.Function``, without the dispatcher's cost per call (a fraction of a
+millisecond); under ``torch.compile`` (and dispatch modes, tensor subclasses) through the registered operators.
 """
 from __future__ import annotations
 
@@ -385,8 +385,8 @@ _EAGER = {op: _eager(f"e3attn::{impl.__name__[1:]}", impl, setup, backward) for 
 
 def call(op, *args):
     """``op(*args)`` for one of this module's operators. In plain eager mode (plain tensors, no ``torch.compile``
-    tracing and no dispatch mode active), its implementation and autograd are called directly, about 0.1-0.2 ms less
-    per call than through PyTorch's dispatcher (which small graphs feel); otherwise through the dispatcher."""
+    tracing and no dispatch mode active), its implementation and autograd are called directly, without the dispatcher's
+    cost per call (which small graphs feel); otherwise through the dispatcher."""
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
             or any(type(t) is not torch.Tensor for t in args if isinstance(t, torch.Tensor))):
         return op(*args)
