@@ -78,3 +78,29 @@ def test_destination_order_is_a_stable_argsort_opaque_to_the_compiler():
     order = _destination_order(dst)
     assert order.tolist() == [3, 1, 4, 5, 6, 0, 2]  # ties keep their order
     torch.library.opcheck(_destination_order, (dst,))
+
+
+@pytest.mark.slow
+def test_model_compiles_as_one_graph(float64_default):
+    """The models read no e3nn ``Irreps`` in ``forward`` (Dynamo cannot guard on them): the transformer, with its
+    gates, layer norms and neighbour densities, is one graph, with eager's energy and gradients."""
+    import torch
+
+    from e3attn import radius_graph
+    from e3attn.models import EquivariantTransformer
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = EquivariantTransformer("2x0e", "4x0e + 2x1o", "1x0e", max_radius=1.5, num_layers=1, num_heads=2, lmax=2,
+                                   reduce="sum", density_channels=2, irreps_node_attr="3x0e")
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    pos, x, attr = torch.rand(20, 3) * 2, torch.randn(20, 2), torch.eye(3)[torch.randint(0, 3, (20,))]
+    edge_index = radius_graph(pos, 1.5)
+    results = []
+    for fn in (model, compiled):
+        p = pos.clone().requires_grad_()
+        energy = fn(p, x, node_attr=attr, edge_index=edge_index).sum()
+        results.append((energy.detach(), torch.autograd.grad(energy, [p, *model.parameters()])))
+    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-12, rtol=0)
+    for got, want in zip(results[1][1], results[0][1]):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)

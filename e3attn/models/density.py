@@ -81,13 +81,14 @@ class NeighbourDensity(torch.nn.Module):
         self.max_radius = self.embedding.max_radius
         self.radial = RadialMLP(number_of_basis, radial_neurons, [num_channels])
         self.source = IrrepsLinear(self.irreps_in, f"{num_channels}x0e")
+        self._input = (self.irreps_in.dim, str(self.irreps_in))  # plain values for forward (torch.compile)
 
     def extra_repr(self) -> str:
         return f"{self.irreps_in} -> {self.num_channels}x0e, avg_num_neighbors={self.avg_num_neighbors}"
 
     def forward(self, f: torch.Tensor, edge_index: torch.Tensor, edge_vec: torch.Tensor) -> torch.Tensor:
         num_nodes = f.shape[0] if isinstance(f, torch.Tensor) else 0
-        check_features(f, self.irreps_in.dim, num_nodes, "f", str(self.irreps_in))
+        check_features(f, self._input[0], num_nodes, "f", self._input[1])
         check_edge_index(edge_index, num_nodes)
         src, dst = edge_index[0].long(), edge_index[1].long()
         check_edge_vec(edge_vec, src.shape[0])

@@ -87,6 +87,8 @@ class Gate(torch.nn.Module):
         self.num_gates = sum(mul for mul, l, _ in self._entries if l > 0)
         gates = as_irreps(f"{self.num_gates}x0e" if self.num_gates else "", "gates")
         self.irreps_in = self.irreps_out + gates
+        # read in forward as plain values (torch.compile cannot guard on e3nn Irreps)
+        self._dims, self._text = (self.irreps_in.dim, self.irreps_out.dim), str(self.irreps_in)
         self._scalar = {1: _scaled("silu"), -1: _scaled("tanh")}
         self._gate = _scaled("sigmoid")
 
@@ -94,9 +96,9 @@ class Gate(torch.nn.Module):
         return f"{self.irreps_in} -> {self.irreps_out}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[1] != self.irreps_in.dim:
-            raise ValueError(f"x must have shape [N, {self.irreps_in.dim}] (irreps {self.irreps_in}), got {list(x.shape)}")
-        features, gates = x.split([self.irreps_out.dim, self.num_gates], dim=1)
+        if x.dim() != 2 or x.shape[1] != self._dims[0]:
+            raise ValueError(f"x must have shape [N, {self._dims[0]}] (irreps {self._text}), got {list(x.shape)}")
+        features, gates = x.split([self._dims[1], self.num_gates], dim=1)
         gate, c = self._gate
         gates = c * gate(gates)
         outs = []

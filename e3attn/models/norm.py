@@ -56,6 +56,7 @@ class EquivariantLayerNorm(torch.nn.Module):
         self.irreps = as_irreps(irreps, "irreps")
         self.eps = check_positive(eps, "eps")
         self._entries = entries(self.irreps)
+        self._dim, self._text = self.irreps.dim, str(self.irreps)  # plain values for forward (torch.compile)
         self._even = [(l, p) == (0, 1) for _, l, p in self._entries]
         self._num_even = sum(mul for (mul, _, _), even in zip(self._entries, self._even) if even)
         self._num_other = sum(mul for (mul, _, _), even in zip(self._entries, self._even) if not even)
@@ -68,8 +69,8 @@ class EquivariantLayerNorm(torch.nn.Module):
         return f"{self.irreps}, eps={self.eps}, affine={self.affine}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[1] != self.irreps.dim:
-            raise ValueError(f"x must have shape [N, {self.irreps.dim}] (irreps {self.irreps}), got {list(x.shape)}")
+        if x.dim() != 2 or x.shape[1] != self._dim:
+            raise ValueError(f"x must have shape [N, {self._dim}] (irreps {self._text}), got {list(x.shape)}")
         if self.affine:
             check_dtype(x, "x", self.weight.dtype, "the module")
         parts = split_entries(x, self._entries)

@@ -174,6 +174,9 @@ class EquivariantTransformer(torch.nn.Module):
         self.irreps_out = as_irreps(irreps_out, "irreps_out")
         self.irreps_key = self.irreps_hidden if irreps_key is None else as_irreps(irreps_key, "irreps_key")
         self.irreps_node_attr = None if irreps_node_attr is None else as_irreps(irreps_node_attr, "irreps_node_attr")
+        # read in forward as plain values (torch.compile cannot guard on e3nn Irreps): (dim, text) of x and node_attr
+        self._x = (self.irreps_in.dim, str(self.irreps_in), all(ir == o3.Irrep("0e") for _, ir in self.irreps_in))
+        self._attr = None if self.irreps_node_attr is None else (self.irreps_node_attr.dim, str(self.irreps_node_attr))
         num_layers, num_heads = check_int(num_layers, "num_layers", 1), check_int(num_heads, "num_heads", 1)
         lmax, number_of_basis = check_int(lmax, "lmax"), check_int(number_of_basis, "number_of_basis", 1)
         radial_neurons = check_int(radial_neurons, "radial_neurons", 1)
@@ -260,19 +263,20 @@ class EquivariantTransformer(torch.nn.Module):
     def _embedding_input(self, pos: torch.Tensor, x: Optional[torch.Tensor], node_attr: Optional[torch.Tensor]):
         """``x`` (or ones) concatenated with the node attributes, validated."""
         num_nodes = pos.shape[0]
+        x_dim, x_text, only_scalars = self._x
         if x is None:
-            if any(ir != o3.Irrep("0e") for _, ir in self.irreps_in):
-                raise ValueError(f"x is required: irreps_in = {self.irreps_in} is not only even scalars")
-            x = pos.new_ones(num_nodes, self.irreps_in.dim)
-        check_features(x, self.irreps_in.dim, num_nodes, "x", str(self.irreps_in))
+            if not only_scalars:
+                raise ValueError(f"x is required: irreps_in = {x_text} is not only even scalars")
+            x = pos.new_ones(num_nodes, x_dim)
+        check_features(x, x_dim, num_nodes, "x", x_text)
         check_dtype(x, "x", pos.dtype, "the model")
-        if self.irreps_node_attr is None:
+        if self._attr is None:
             if node_attr is not None:
                 raise ValueError("node_attr was given but the model has no irreps_node_attr")
             return x
         if node_attr is None:
-            raise ValueError(f"node_attr is required: the model has irreps_node_attr = {self.irreps_node_attr}")
-        check_features(node_attr, self.irreps_node_attr.dim, num_nodes, "node_attr", str(self.irreps_node_attr))
+            raise ValueError(f"node_attr is required: the model has irreps_node_attr = {self._attr[1]}")
+        check_features(node_attr, self._attr[0], num_nodes, "node_attr", self._attr[1])
         check_dtype(node_attr, "node_attr", pos.dtype, "the model")
         return torch.cat([x, node_attr], dim=1)
 
