@@ -22,10 +22,14 @@ def entries(irreps: o3.Irreps) -> List[Tuple[int, int, int]]:
     return [(mul, ir.l, ir.p) for mul, ir in irreps if mul > 0]
 
 
+def starts(sizes: List[int]) -> List[int]:
+    """Where each of consecutive pieces of ``sizes`` begins: ``[0, s0, s0 + s1, ...]`` (one per piece)."""
+    return [sum(sizes[:k]) for k in range(len(sizes))]
+
+
 def entry_starts(irreps_entries: List[Tuple[int, int, int]]) -> List[int]:
     """The first column of every entry ``(mul, l, p)`` in the flat features."""
-    dims = [mul * (2 * l + 1) for mul, l, _ in irreps_entries]
-    return [sum(dims[:k]) for k in range(len(dims))]
+    return starts([mul * (2 * l + 1) for mul, l, _ in irreps_entries])
 
 
 def split_entries(x: torch.Tensor, irreps_entries: List[Tuple[int, int, int]]) -> List[torch.Tensor]:

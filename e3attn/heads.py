@@ -9,7 +9,7 @@ from e3nn import o3
 
 from ._block_matrix import BlockMatrix
 from ._checks import check_dtype, check_int
-from ._irreps import IrrepsLike, as_irreps, entries, entry_starts, split_entries
+from ._irreps import IrrepsLike, as_irreps, entries, entry_starts, split_entries, starts
 
 __all__ = ["split_heads", "head_index", "scale_heads", "MultiHeadDot"]
 
@@ -138,12 +138,11 @@ class MultiHeadDot(torch.nn.Module):
         # h-th row of the [H, D] layout of the keys (see key_heads)
         q_starts, k_starts = entry_starts(self._q), entry_starts(self._k)
         self._head_dim = head_dim = self.irreps_key.dim // num_heads
-        offsets = [sum(self._sizes[:k]) for k in range(len(self._sizes))]
         self._matrix = BlockMatrix(self.irreps_query.dim, self.irreps_key.dim, [
             (h * numel + offset, self._q[a][0] // num_heads, self._k[b][0] // num_heads, 2 * self._q[a][1] + 1,
              q_starts[a] + h * (self._q[a][0] // num_heads) * (2 * self._q[a][1] + 1),
              h * head_dim + k_starts[b] // num_heads, c)
-            for h in range(num_heads) for offset, (a, b), c in zip(offsets, self._paths, self._coeff)])
+            for h in range(num_heads) for offset, (a, b), c in zip(starts(self._sizes), self._paths, self._coeff)])
 
     def project_query(self, q: torch.Tensor) -> torch.Tensor:
         """Apply the weights to the queries, in the layout of :meth:`key_heads`."""

@@ -8,7 +8,7 @@ import torch
 
 from ._block_matrix import BlockMatrix
 from ._checks import check_dtype
-from ._irreps import IrrepsLike, as_irreps, entries, entry_starts, split_entries
+from ._irreps import IrrepsLike, as_irreps, entries, entry_starts, split_entries, starts
 
 __all__ = ["IrrepsLinear"]
 
@@ -59,11 +59,10 @@ class IrrepsLinear(torch.nn.Module):
         fan_in = [sum(self._in[a][0] for a, c2 in self._paths if c2 == c) for c in range(len(self._out))]
         self._norm = [1.0 / math.sqrt(n) if n > 0 else 0.0 for n in fan_in]
         starts_in, starts_out = entry_starts(self._in), entry_starts(self._out)
-        offsets = [sum(sizes[:k]) for k in range(len(sizes))]
         self._matrix = BlockMatrix(self.irreps_in.dim, self.irreps_out.dim, [
             (offset, self._in[a][0], self._out[c][0], 2 * self._in[a][1] + 1, starts_in[a], starts_out[c],
              self._norm[c])
-            for offset, (a, c) in zip(offsets, self._paths)])
+            for offset, (a, c) in zip(starts(sizes), self._paths)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_dtype(x, "x", self.weight.dtype, "the module")
