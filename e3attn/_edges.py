@@ -25,9 +25,9 @@ def _margin(dtype: torch.dtype) -> float:
 
 
 # ---------------------------------------------------------------- arrays: NumPy on the CPU, torch elsewhere
-# On the CPU the graph is assembled with NumPy: single-threaded and light per operation, beside vesin's
-# own threads (torch's OpenMP regions stall when other processes keep the cores busy). The functions
-# below take NumPy arrays or torch tensors alike.
+# On the CPU the graph is assembled with NumPy (light per operation: torch's OpenMP regions stall when
+# other processes keep the cores busy) and sorted by e3attn._csr, whose threads take small groups of work
+# in turn. The functions below take NumPy arrays or torch tensors alike.
 
 
 def _on_host(pos: torch.Tensor) -> bool:
@@ -123,93 +123,42 @@ def _lexsort(columns: List[torch.Tensor]) -> torch.Tensor:
     return order
 
 
-# the host assembly works through its arrays in chunks of this many entries, each small enough to stay
-# in the core's cache through all its passes
-_CHUNK = 2**14
-# host sort keys are uint32 when they fit (NumPy sorts them about twice as fast as int64), else int64
-_NARROW_KEYS = 2**32
-
-
 def _csr_edges(i, j, shift, num_nodes: int, loop: bool, dtype: torch.dtype = torch.float64):
     r"""The edges ``j -> i`` (shift ``S``) and ``i -> j`` (shift ``-S``) of every pair of a half list,
     and the self-loops, as ``[2, E]`` sorted by ``dst``, then ``src``, then shift, with the ``[E, 3]``
     shifts in ``dtype`` (``None`` without ``shift``); NumPy arrays or torch tensors, as the input.
 
-    Every edge is packed into one integer key
+    On the host, the edges are partitioned into blocks of destinations and sorted block by block
+    (:mod:`e3attn._csr`). On other devices every edge is packed into one integer key
 
     .. math:: \big((\mathrm{dst} \cdot N + \mathrm{src}) \ll c\big) \,|\, \mathrm{code}(S),
 
     where :math:`\mathrm{code}` numbers the shifts :math:`S \in [-m, m]^3` lexicographically (in
     :math:`c` bits), and the keys are sorted by value: no argsort, no payload. A table of all
-    :math:`(2m+1)^3` shifts decodes the codes. NumPy sorts uint32 keys when :math:`N^2 \, 2^c \le 2^{32}`,
-    else int64 ones (as torch); large shifts (:math:`m > 50`) or keys beyond int64 fall back to stable
-    sorts by column.
+    :math:`(2m+1)^3` shifts decodes the codes. Large shifts (:math:`m > 50`) or keys beyond int64 fall back
+    to stable sorts by column.
     """
     num_pairs = len(i)
     reach = int(max(-shift.min(), shift.max())) if shift is not None and num_pairs > 0 else 0
     width = 2 * reach + 1
     code_bits = (width**3 - 1).bit_length()
-    if shift is not None and (reach > 50 or num_nodes**2 << code_bits > 2**63):
+    if shift is not None and (reach > 50 or 2 * (num_nodes - 1).bit_length() + code_bits > 63):
         return _lexsorted_edges(*(_tensor(t) for t in (i, j, shift)), dtype)
-    num_edges = 2 * num_pairs + (num_nodes if loop else 0)
     # the shifts in code order
     every_shift = torch.arange(-reach, reach + 1, dtype=dtype, device="cpu" if isinstance(i, np.ndarray) else i.device)
     table = torch.cartesian_prod(every_shift, every_shift, every_shift).reshape(-1, 3)
     coefficients = [width * width, width, 1]
     if isinstance(i, np.ndarray):
-        return _host_edges(i, j, shift, num_nodes, loop, num_edges, code_bits, coefficients, table.numpy())
-    return _device_edges(i, j, shift, num_nodes, loop, num_edges, code_bits, coefficients, table)
+        from e3attn._csr import csr_edges  # imports numba: only once a graph is assembled on the host
+
+        return csr_edges(i, j, shift, num_nodes, loop, code_bits, coefficients, table.numpy())
+    return _device_edges(i, j, shift, num_nodes, loop, code_bits, coefficients, table)
 
 
-def _host_edges(i, j, shift, num_nodes, loop, num_edges, code_bits, coefficients, table):
-    """:func:`_csr_edges` with NumPy: every pass over a chunk of :data:`_CHUNK` entries at a time, in the
-    output's memory or chunk-sized buffers (no array-sized temporaries, whose fresh pages cost as much as
-    the arithmetic)."""
-    narrow = num_nodes**2 << code_bits <= _NARROW_KEYS
-    edge_index = np.empty((2, num_edges), np.int64)
-    keys = np.empty(num_edges, np.uint32) if narrow else edge_index[1]
-    num_pairs, top = len(i), len(table) - 1
-    unsafe = dict(casting="unsafe")
-    code, coefficients = np.empty(_CHUNK, np.int64), np.array(coefficients, getattr(shift, "dtype", np.int64))
-    for start in range(0, num_pairs, _CHUNK):
-        stop = min(start + _CHUNK, num_pairs)
-        part = slice(start, stop)
-        forward, backward = keys[part], keys[num_pairs + start : num_pairs + stop]
-        np.multiply(i[part], num_nodes, out=forward, **unsafe)
-        np.add(forward, j[part], out=forward, **unsafe)
-        np.multiply(j[part], num_nodes, out=backward, **unsafe)
-        np.add(backward, i[part], out=backward, **unsafe)
-        if code_bits:
-            c = code[: len(forward)]
-            np.matmul(shift[part], coefficients, out=c, **unsafe)
-            c += top // 2  # the code of S; top - code: that of -S, every component mirrored
-            forward <<= code_bits
-            np.bitwise_or(forward, c, out=forward, **unsafe)
-            backward <<= code_bits
-            backward += top
-            np.subtract(backward, c, out=backward, **unsafe)
-    if loop:  # open graphs only: no code bits
-        np.multiply(np.arange(num_nodes), num_nodes + 1, out=keys[2 * num_pairs :], **unsafe)
-    keys.sort()
-    shifts = np.empty((num_edges, 3), table.dtype) if shift is not None else None
-    pair = np.empty(_CHUNK, np.int64)
-    for start in range(0, num_edges, _CHUNK):
-        part = slice(start, start + _CHUNK)
-        key, src, dst = keys[part], edge_index[0, part], edge_index[1, part]
-        if shifts is not None:
-            np.bitwise_and(key, (1 << code_bits) - 1, out=src, **unsafe)
-            np.take(table, src, axis=0, out=shifts[part], mode="clip")
-        p = pair[: len(key)]
-        np.right_shift(key, code_bits, out=p, **unsafe)
-        np.floor_divide(p, num_nodes, out=dst)
-        np.multiply(dst, num_nodes, out=src)
-        np.subtract(p, src, out=src)
-    return edge_index, shifts
-
-
-def _device_edges(i, j, shift, num_nodes, loop, num_edges, code_bits, coefficients, table):
+def _device_edges(i, j, shift, num_nodes, loop, code_bits, coefficients, table):
     """:func:`_csr_edges` with torch, in place in the output's memory: int64 keys in row 0, codes in row 1."""
     num_pairs = len(i)
+    num_edges = 2 * num_pairs + (num_nodes if loop else 0)
     edge_index = torch.empty((2, num_edges), dtype=torch.long, device=i.device)
     keys, scratch = edge_index[0], edge_index[1]
     forward, backward = keys[:num_pairs], keys[num_pairs : 2 * num_pairs]

@@ -156,7 +156,8 @@ def radius_graph(
     :math:`O(E \log E)` to sort: vesin's cell list on CPU (the graphs of a batch laid out
     side by side and searched at once, with :func:`torch.get_num_threads` threads),
     ``torch_cluster`` on other devices when installed, else a PyTorch cell list. The
-    result is produced in CSR order by sorting packed ``dst << bits | src`` keys by value.
+    result is produced in CSR order by sorting packed ``dst << bits | src`` keys by value
+    (on CPU block by block of destinations, each block's keys in cache).
     Nothing is truncated: ``max_num_neighbors`` only guards against surprises. Every
     thread keeps its vesin buffers between calls (up to :math:`2^{22}` pairs, about
     150 MiB), as a simulation loop would.

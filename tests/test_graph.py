@@ -596,21 +596,52 @@ def test_torch_assembly_equals_brute_force(cloud, r, loop, crystal):
             assert torch.equal(edge_index, expected_pbc[0]) and torch.equal(shifts, expected_pbc[1]), backend
 
 
-@settings(max_examples=20, deadline=None)
-@given(cloud=clouds(), r=st.sampled_from(RADII), loop=st.booleans(), crystal=crystals(num_graphs=2),
-       chunk=st.integers(1, 7), narrow=st.booleans())
-def test_host_assembly_in_chunks_with_narrow_and_wide_keys(cloud, r, loop, crystal, chunk, narrow):
-    # NumPy assembles the graph a chunk of entries at a time and sorts uint32 keys when they fit, else
-    # int64 ones: tiny chunks (several per graph) and both key widths give the brute-force graphs
-    pos, batch = cloud
-    pbc_pos, cells, pbc, graph = crystal
-    expected_pbc = brute_radius_graph_pbc(pbc_pos, cells, pbc, r, graph)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(edges_module, "_CHUNK", chunk)
-        patch.setattr(edges_module, "_NARROW_KEYS", 2**32 if narrow else 0)
-        assert torch.equal(_radius_graph(pos, r, batch, loop, None, "vesin"), brute_radius_graph(pos, r, batch, loop))
-        edge_index, shifts = _radius_graph_pbc(pbc_pos, cells, pbc, r, graph, "vesin")
-    assert torch.equal(edge_index, expected_pbc[0]) and torch.equal(shifts, expected_pbc[1])
+def _half_list(case: str, n: int, rng: np.random.Generator):
+    """``(i, j, shift or None)`` on ``n`` nodes: a half list shaped to reach every branch of the host assembly."""
+    if case == "empty":
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 3), np.int32)
+    if case == "hub":  # node 0 paired with everyone: one destination range above the insertion limit
+        others = rng.permutation(np.arange(1, n))
+        return np.zeros(n - 1, np.int64), others, None
+    if case == "open":  # 40,000 edges: enough for the threads
+        i, j = rng.integers(0, n, (2, 40000))
+        keep = i < j
+        return i[keep], j[keep], None
+    # 300 images of one pair (a cell much smaller than r) in random order: a range that stays out of order
+    # after the counting sorts, beside random pairs of small shifts; "zero": every shift is zero. Pairs as
+    # vesin gives them (uint64 indices, int32 shifts)
+    pairs = rng.integers(0, n, (2, 1200))
+    i, j = np.concatenate([pairs[0], np.full(300, 7)]), np.concatenate([pairs[1], np.full(300, 3)])
+    images = np.stack(np.unravel_index(rng.permutation(7**3)[:300], (7, 7, 7)), 1) - 3
+    shift = np.concatenate([rng.integers(-2, 3, (1200, 3)), images]).astype(np.int32)
+    return i.astype(np.uint64), j.astype(np.uint64), (shift * 0 if case == "zero" else shift)
+
+
+# 150 nodes: one block of 32-bit keys; 10^5: blocks of 64 nodes; 2^27: one block of 64-bit keys
+@pytest.mark.parametrize("case, n", [("empty", 150), ("hub", 150), ("open", 150), ("images", 150), ("zero", 150),
+                                     ("open", 10**5), ("images", 10**5), ("open", 2**27), ("images", 2**27)])
+@pytest.mark.parametrize("loop", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_host_assembly_equals_lexsort(case, n, loop, threads):
+    # the blockwise sort of e3attn._csr against NumPy's lexsort of the edges (dst, src, shift)
+    i, j, shift = _half_list(case, n, np.random.default_rng(len(case)))
+    loop = loop and shift is None and n < 10**6  # self-loops: open graphs only
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        edge_index, shifts = edges_module._csr_edges(i, j, shift, n, loop, torch.float64)
+    finally:
+        torch.set_num_threads(before)
+    i, j, nodes = i.astype(np.int64), j.astype(np.int64), np.arange(n if loop else 0)
+    dst, src = np.concatenate([i, j, nodes]), np.concatenate([j, i, nodes])
+    s = np.zeros((len(dst), 3), np.int64) if shift is None else np.concatenate([shift, -shift]).astype(np.int64)
+    order = np.lexsort((s[:, 2], s[:, 1], s[:, 0], src, dst))
+    np.testing.assert_array_equal(edge_index, np.stack([src[order], dst[order]]))
+    if shift is None:
+        assert shifts is None
+    else:
+        assert shifts.dtype == np.float64
+        np.testing.assert_array_equal(shifts, s[order].astype(np.float64))
 
 
 def test_bfloat16_positions():
