@@ -28,7 +28,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from e3attn.kernels.threads import parallel
+from e3attn.kernels.threads import parallel, threads_for
 
 __all__ = ["csr_edges"]
 
@@ -94,7 +94,7 @@ def _as_index(values: np.ndarray) -> np.ndarray:
 
 def _split(size: int, parts: int) -> np.ndarray:
     """``[parts, 2]``: ``parts`` contiguous ranges covering ``0 .. size``."""
-    bounds = np.linspace(0, size, parts + 1).astype(np.int64)
+    bounds = np.arange(parts + 1) * size // parts
     return np.stack([bounds[:-1], bounds[1:]], 1)
 
 
@@ -117,17 +117,18 @@ def csr_edges(i, j, shift, num_nodes: int, loop: bool, code_bits: int, coefficie
     edge_index = np.empty((2, num_edges), np.int64)
     keys = np.empty(num_edges, np.uint32) if narrow else edge_index[0]  # 64-bit keys: decoded in place
     work = 300 * num_edges  # about 25 ns per edge, in the threshold's multiply-adds (see threads.SERIAL_BELOW)
+    groups = _GROUPS if threads_for(work) > 1 else 1  # a serial call: one group of everything
 
-    pairs, nodes = _split(len(i), _GROUPS), _split(num_nodes if loop else 0, _GROUPS)
-    counts = np.zeros((_GROUPS, num_blocks), np.int64)
-    parallel(lambda g: _count(i, j, pairs[g], nodes[g], block_bits, counts[g]), _GROUPS, work)
+    pairs, nodes = _split(len(i), groups), _split(num_nodes if loop else 0, groups)
+    counts = np.zeros((groups, num_blocks), np.int64)
+    parallel(lambda g: _count(i, j, pairs[g], nodes[g], block_bits, counts[g]), groups, work)
     # the groups' places, block after block: fill[g, k] is where group g writes its first edge of block k
-    fill = np.ascontiguousarray(np.cumsum(counts.T.reshape(-1)).reshape(num_blocks, _GROUPS).T - counts)
+    fill = np.ascontiguousarray(np.cumsum(counts.T.reshape(-1)).reshape(num_blocks, groups).T - counts)
     start = np.append(fill[0], num_edges)
     args = (np.asarray(coefficients, np.int64), len(table) - 1, node_bits, code_bits, block_bits)
-    parallel(lambda g: _scatter(i, j, shift, *args, pairs[g], nodes[g], fill[g], keys), _GROUPS, work)
+    parallel(lambda g: _scatter(i, j, shift, *args, pairs[g], nodes[g], fill[g], keys), groups, work)
 
-    block_groups = _split(num_blocks, min(num_blocks, _BLOCKS))
+    block_groups = _split(num_blocks, min(num_blocks, _BLOCKS if groups > 1 else 1))
     shifts = np.empty((num_edges if periodic else 0, 3), table.dtype)
 
     def sort_and_decode(g: int) -> None:

@@ -31,7 +31,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-__all__ = ["parallel", "backend", "SERIAL_BELOW"]
+__all__ = ["parallel", "backend", "threads_for", "SERIAL_BELOW"]
 
 _Task = Callable[[int], None]
 
@@ -44,12 +44,18 @@ def parallel(task: _Task, groups: int, work: int) -> None:
     """``task(g)`` for every group ``0 <= g < groups``, on ``torch.get_num_threads()`` threads at most
     (see the module docstring), or on the calling thread if ``work`` (the call's multiply-adds, roughly) is
     below :data:`SERIAL_BELOW`. Safe to call from several threads at once."""
-    threads = min(torch.get_num_threads(), groups)
-    if threads <= 1 or work < SERIAL_BELOW:
+    threads = min(threads_for(work), groups)
+    if threads <= 1:
         for group in range(groups):
             task(group)
         return
     (_openmp_parallel if backend() == "openmp" else _pool_parallel)(task, groups, threads)
+
+
+def threads_for(work: int) -> int:
+    """The threads that :func:`parallel` would give a call of ``work`` multiply-adds with enough groups: 1 below
+    :data:`SERIAL_BELOW` (a caller may then do its work as a single group)."""
+    return torch.get_num_threads() if work >= SERIAL_BELOW else 1
 
 
 def backend() -> str:
