@@ -18,8 +18,7 @@ builds its graph compiles with ``torch.compile(fullgraph=True)``, and the value 
 """
 from __future__ import annotations
 
-import math
-from numbers import Integral, Real
+from numbers import Integral
 from typing import Optional, Tuple
 
 import numpy as np
@@ -29,65 +28,11 @@ from e3attn._cells import ragged_arange, squared_norm
 from e3attn._checks import check_batch, check_pos
 from e3attn._edges import (_arrays, _cast, _check_num_neighbors, _csr_edges, _graph_index, _graph_labels, _int64,
                            _margin, _on_host, _settle, _shift_vectors, _shorter_than, _tensor, _without)
+from e3attn._graph_checks import (check_cell, check_cells_away, check_flag, check_images, check_max_num_neighbors,
+                                  check_r_max, check_spread)
 from e3attn._search import default_backend, half_pairs, periodic_half_pairs
 
 __all__ = ["radius_graph", "radius_graph_pbc", "complete_graph"]
-
-# radius_graph_pbc refuses cells with more periodic images than this within r_max of a point
-_MAX_IMAGES = 2**20
-
-
-def _scalar(value):
-    """A one-element tensor or NumPy array as its Python number; anything else unchanged."""
-    if (isinstance(value, torch.Tensor) and value.numel() == 1) or (isinstance(value, np.ndarray) and value.size == 1):
-        return value.item()
-    return value
-
-
-def _check_r_max(r_max, dtype: torch.dtype) -> float:
-    """``r_max`` as a float: a positive finite real number (never a bool) whose square is a normal
-    number of ``dtype``, so that squared distances near it are finite and keep their precision."""
-    value = _scalar(r_max)
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Real) or not 0.0 < float(value) < math.inf:
-        raise ValueError(f"r_max must be a positive finite number, got {r_max!r}")
-    r, info = float(value), torch.finfo(dtype)
-    smallest, largest = math.sqrt(info.tiny), math.sqrt(info.max)
-    if not smallest <= r < largest:
-        raise ValueError(
-            f"r_max={r:g} is out of range for {dtype} positions: the distances are compared squared, and "
-            f"r_max**2 must be a normal finite {dtype} number, so {smallest:.4g} <= r_max < {largest:.4g}"
-        )
-    return r
-
-
-def _check_flag(value, name: str) -> bool:
-    value = _scalar(value)
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name} must be a bool, got {value!r}")
-    return bool(value)
-
-
-def _check_max_num_neighbors(value) -> Optional[int]:
-    value = _scalar(value)
-    if value is not None and (isinstance(value, (bool, np.bool_)) or not isinstance(value, Integral) or value < 0):
-        raise ValueError(f"max_num_neighbors must be None or a non-negative int, got {value!r}")
-    return None if value is None else int(value)
-
-
-def _check_spread(pos, r: float) -> float:
-    """The largest coordinate magnitude of ``pos`` (array or tensor); refuses non-finite positions (the
-    value check of :func:`~e3attn._checks.check_pos`, also under ``torch.compile``) and clouds the search
-    cannot represent in units of ``r`` (it works on float64 coordinates divided by about ``r``)."""
-    largest = float(max(-pos.min(), pos.max())) if pos.shape[0] else 0.0
-    if not math.isfinite(largest):
-        raise ValueError("pos contains NaN or infinite values")
-    if largest / r > 2.0**1000:
-        raise ValueError(
-            f"pos has coordinates up to {largest:.3g}, more than 2**1000 times r_max={r:g}: in units of r_max the "
-            "neighbour search would overflow float64"
-        )
-    return largest
-
 
 def _radius_graph(
     pos: torch.Tensor,
@@ -103,7 +48,7 @@ def _radius_graph(
         return torch.zeros(2, 0, dtype=torch.long, device=pos.device)
     host = _on_host(pos)
     (points,) = _arrays(host, pos)
-    _check_spread(points, r)
+    check_spread(points, r)
     # a difference of two coordinates rounds relative to itself: the margin is relative to r
     margin = _margin(pos.dtype)
     pairs, distances = _arrays(host, *half_pairs(pos, r * (1 + margin), batch, backend))
@@ -193,67 +138,14 @@ def radius_graph(
         tensor([[1, 0],
                 [0, 1]])
     """
-    check_pos(pos, finite=False)  # the values: in the operator (_check_spread)
-    r = _check_r_max(r_max, pos.dtype)
+    check_pos(pos, finite=False)  # the values: in the operator (check_spread)
+    r = check_r_max(r_max, pos.dtype)
     if pos.shape[0] >= 2**31:
         raise ValueError(f"pos must have fewer than 2**31 points, got {pos.shape[0]}")
     batch = _graph_index(batch, pos)
-    loop = _check_flag(loop, "loop")
-    max_num_neighbors = _check_max_num_neighbors(max_num_neighbors)
+    loop = check_flag(loop, "loop")
+    max_num_neighbors = check_max_num_neighbors(max_num_neighbors)
     return _radius_graph_op(pos.detach(), r, batch, loop, max_num_neighbors)
-
-
-def _check_cell(cell: torch.Tensor, pbc, pos: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``cell`` as ``[Bc, 3, 3]`` and ``pbc`` as bool ``[Bp, 3]``, with ``Bc, Bp`` 1 (shared) or ``B``."""
-    if not isinstance(cell, torch.Tensor):
-        raise TypeError(f"cell must be a torch.Tensor of shape [3, 3] or [B, 3, 3], got {type(cell).__name__}")
-    if cell.shape[-2:] != (3, 3) or cell.dim() not in (2, 3):
-        raise ValueError(f"cell must have shape [3, 3] or [B, 3, 3] (rows = lattice vectors), got {list(cell.shape)}")
-    if cell.dtype != pos.dtype or cell.device != pos.device:
-        raise ValueError(
-            f"cell must have the dtype and device of pos ({pos.dtype}, {pos.device}), got {cell.dtype}, {cell.device}"
-        )
-    pbc = torch.as_tensor(pbc, device=pos.device)
-    if pbc.dtype != torch.bool:
-        raise ValueError(f"pbc must hold booleans, got dtype {pbc.dtype}")
-    if pbc.dim() == 0:
-        pbc = pbc.expand(3)
-    if pbc.shape[-1:] != (3,) or pbc.dim() > 2:
-        raise ValueError(f"pbc must have shape [3] or [B, 3], got {list(pbc.shape)}")
-    cell, pbc = cell.reshape(-1, 3, 3), pbc.reshape(-1, 3)
-    if cell.shape[0] != pbc.shape[0] and 1 not in (cell.shape[0], pbc.shape[0]):
-        raise ValueError(f"cell has {cell.shape[0]} graphs but pbc has {pbc.shape[0]}")
-    return cell, pbc
-
-
-def _check_images(inverse_spacing: torch.Tensor, pbc: torch.Tensor, r: float) -> None:
-    """Refuse cells with more than :data:`_MAX_IMAGES` images within ``r`` of a point, before allocating.
-
-    ``inverse_spacing[g, k]`` is one over the distance between the lattice planes of graph ``g``
-    along direction ``k``; a point reaches :math:`\\lceil r / d_k \\rceil` planes on either side.
-    """
-    per_direction = torch.where(pbc, 2 * torch.ceil(r * inverse_spacing) + 1, torch.ones_like(inverse_spacing))
-    images = per_direction.prod(1)
-    graph = int(images.argmax())
-    if float(images[graph]) > _MAX_IMAGES:
-        k = int(inverse_spacing[graph].argmax())
-        spacing = 1 / float(inverse_spacing[graph, k])
-        raise ValueError(
-            f"cell of graph {graph}: its lattice planes along direction {k} are {spacing:.3g} apart, so "
-            f"r_max={r:g} reaches {float(images[graph]):.3g} periodic images of every point (at most 2**20 are "
-            "supported): the cell is (nearly) singular or far smaller than r_max"
-        )
-
-
-def _check_cells_away(far: float, dtype: torch.dtype) -> None:
-    """Image shifts must be exact integers in ``dtype``: points at most ``1 / (4 eps)`` cells from the origin
-    (``far``: the largest fractional coordinate in magnitude)."""
-    limit = 0.25 / torch.finfo(dtype).eps
-    if far > limit:
-        raise ValueError(
-            f"pos has points {far:.3g} cells away from the origin; the integer image shifts stay exact in "
-            f"{dtype} up to {limit:.3g} cells: wrap pos into the cell first"
-        )
 
 
 def _per_graph_product(rows, matrices, graph):
@@ -280,7 +172,7 @@ def _radius_graph_pbc(
         return torch.zeros(2, 0, dtype=torch.long, device=pos.device), pos.new_zeros(0, 3)
     host = _on_host(pos)
     points, cells, point_graph = _arrays(host, pos, cell, graph)
-    largest = _check_spread(points, r)
+    largest = check_spread(points, r)
     num_graphs = max(cell.shape[0], pbc.shape[0], int(point_graph.max()) + 1)
     pbc = pbc.expand(num_graphs, 3)
     lattice = (cell.double() * pbc[..., None]).expand(num_graphs, 3, 3)  # the periodic lattice vectors only
@@ -289,12 +181,12 @@ def _radius_graph_pbc(
     if not torch.allclose(lattice @ recip, torch.diag_embed(pbc.double()), atol=1e-6):
         raise ValueError("cell: the lattice vectors of the periodic directions must be linearly independent")
     inverse_spacing = recip.norm(dim=1)  # [B, 3]: one over the plane spacing, 0 along open directions
-    _check_images(inverse_spacing, pbc, r)
+    check_images(inverse_spacing, pbc, r)
     lattices, recips = _arrays(host, lattice.contiguous(), recip)
     x = _cast(points, recips)
     frac = _per_graph_product(x, recips, point_graph)
     far = torch.tensor([float(abs(frac[:, k]).max()) for k in range(3)], dtype=torch.float64)  # per column
-    _check_cells_away(float(far.max()), pos.dtype)
+    check_cells_away(float(far.max()), pos.dtype)
     wrap = frac // 1
     moved = bool(wrap.any())
     home = x - _per_graph_product(wrap, lattices, point_graph) if moved else x
@@ -409,10 +301,10 @@ def radius_graph_pbc(
         tensor([[-1.,  0.,  0.],
                 [ 1.,  0.,  0.]])
     """
-    check_pos(pos, finite=False)  # the values: in the operator (_check_spread)
-    r = _check_r_max(r_max, pos.dtype)
+    check_pos(pos, finite=False)  # the values: in the operator (check_spread)
+    r = check_r_max(r_max, pos.dtype)
     batch = _graph_index(batch, pos)
-    cell, pbc = _check_cell(cell, pbc, pos)
+    cell, pbc = check_cell(cell, pbc, pos)
     return _radius_graph_pbc_op(pos.detach(), cell.detach(), pbc, r, batch)
 
 
