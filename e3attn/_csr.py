@@ -10,16 +10,15 @@ edge becomes the packed key
 
 (:math:`s` bits for a node, :math:`c` for a shift), so that sorting a block's keys sorts its edges:
 
-1. :func:`_count` counts the edges of every block, per group of pairs, which places every group's edges
-   of every block; :func:`_scatter` writes them there, streaming into a few hundred ranges;
-2. NumPy sorts each block's keys, a range that fits in the core's cache, as 32-bit integers when
-   :math:`b + s + c = 32` leaves blocks of at least :math:`2^6` nodes (NumPy sorts them about twice as
+1. :func:`_count` counts the edges of each group of pairs per block, which fixes where each group writes
+   in each block, and :func:`_scatter` writes them there, streaming into a few hundred ranges;
+2. NumPy sorts each block's keys, a range that fits in the core's cache, as 32-bit integers where
+   :math:`b + s + c \le 32` allows blocks of at least :math:`2^6` nodes (NumPy sorts them about twice as
    fast as 64-bit ones), else as 64-bit integers in one block;
 3. :func:`_decode` unpacks the keys into ``edge_index`` and the shifts.
 
-Every step runs in groups on the threads of
-:func:`e3attn.kernels.threads.parallel`, and the result does not depend on them (the sort makes it
-unique). ``code`` numbers the shifts :math:`S \in [-m, m]^3` lexicographically (see
+Every step runs in groups on the threads of :func:`e3attn.kernels.threads.parallel` (one group when the
+call is too small for them), and the result does not depend on them (the sort makes it unique). ``code`` numbers the shifts :math:`S \in [-m, m]^3` lexicographically (see
 :func:`e3attn._edges._csr_edges`), so sorting packed keys sorts by shift. Compiled on first use and
 cached on disk by numba.
 """
