@@ -1,6 +1,7 @@
 r"""The equivariant graph attention layer."""
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from typing import Callable, Optional, Tuple, Union
 
@@ -231,15 +232,40 @@ class EquivariantAttention(torch.nn.Module):
         check_batch(batch, num_nodes)
         return num_nodes
 
-    def _attention_weights(self, logits: torch.Tensor, dst: torch.Tensor, num_nodes: int):
-        r"""The attention :math:`\alpha` and the weights of the values (:math:`\sqrt{\alpha}` or :math:`\alpha`)."""
-        alpha, sqrt_alpha = segment_softmax(logits, dst, num_nodes, return_sqrt=True)
+    def _attention_weights(self, logits: torch.Tensor, dst: torch.Tensor, num_nodes: int,
+                           rowptr: Optional[torch.Tensor] = None):
+        r"""The attention :math:`\alpha` and the weights of the values (:math:`\sqrt{\alpha}` or :math:`\alpha`);
+        with ``rowptr`` (edges sorted by destination, where the node kernels run) on
+        :mod:`e3attn.kernels.softmax_ops` in eager mode."""
+        plain = functools.partial(segment_softmax, index=dst, num_segments=num_nodes, return_sqrt=True)
+        if rowptr is not None and kernels.eager_on_cpu(logits):
+            from .kernels import softmax_ops  # imports numba: only where the kernels run
+
+            alpha, sqrt_alpha = softmax_ops.segment_softmax_csr(logits, rowptr, plain)
+        else:
+            alpha, sqrt_alpha = plain(logits)
         return alpha, sqrt_alpha if self.aggregation == "sqrt_alpha" else alpha
 
-    def _radial_terms(self, edge_vec: torch.Tensor):
-        """The hidden features of the radial networks and the log cutoff weights of every edge."""
+    def _geometry(self, edge_vec: torch.Tensor):
+        """The spherical harmonics, the first layers' outputs of the radial networks and the log cutoff weights of
+        every edge, from :meth:`_plain_geometry` or, where the node kernels run, the same on the kernels of
+        :mod:`e3attn.kernels.geometry_ops`."""
+        first = self.radial.input_layer()
+        geometry = self._plain_geometry
+        if kernels.segments_enabled(edge_vec.device, edge_vec.dtype):
+            from .kernels import geometry_ops  # imports numba: only where the kernels run
+
+            if kernels.eager_on_cpu(edge_vec, first):
+                geometry = functools.partial(geometry_ops.edge_geometry, harmonics=self.sh, embedding=self.embedding,
+                                             plain=self._plain_geometry)
+        sh, pre, r = geometry(edge_vec, first)
+        return sh, pre, log_soft_unit_step(10.0 * (1.0 - r / self.max_radius))
+
+    def _plain_geometry(self, edge_vec: torch.Tensor, first_layer: torch.Tensor):
+        """The spherical harmonics, the radial networks' first layers ``embedding(r) @ first_layer`` and the
+        lengths ``r`` of the edges."""
         r = edge_vec.norm(dim=-1)
-        return self.radial.hidden_features(self.embedding(r)), log_soft_unit_step(10.0 * (1.0 - r / self.max_radius))
+        return self.sh(edge_vec), self.embedding(r) @ first_layer, r
 
     def _edge_terms(
         self, f: torch.Tensor, f_src: torch.Tensor, edge_vec: torch.Tensor, src: Optional[torch.Tensor] = None
@@ -248,8 +274,8 @@ class EquivariantAttention(torch.nn.Module):
 
         ``f_src`` are the source features of every edge, or with ``src`` the node features ``f_src[src]``.
         """
-        hidden, log_c = self._radial_terms(edge_vec)
-        k, v = self.tp.forward_factored(f_src, self.sh(edge_vec), hidden, self.radial.output_layers(), index=src)
+        sh, pre, log_c = self._geometry(edge_vec)
+        k, v = self.tp.forward_factored(f_src, sh, self.radial.activate(pre), self.radial.output_layers(), index=src)
         q = self.dot.project_query(self.query(f))
         return q, self.dot.key_heads(k), v, log_c
 
@@ -262,10 +288,12 @@ class EquivariantAttention(torch.nn.Module):
             order = _destination_order(dst)
             src, dst, edge_vec = src.index_select(0, order), dst.index_select(0, order), _rows(edge_vec, order)
         rowptr = torch.searchsorted(dst.contiguous(), torch.arange(num_nodes + 1, device=dst.device))
-        hidden, log_c = self._radial_terms(edge_vec)
+        sh, pre, log_c = self._geometry(edge_vec)
+        hidden = self.radial.activate(pre, normalise=False)  # c folded into the last layers
+        linear = self.radial.output_layers(fold_activation_norm=True)
         out, alpha = self.nodes.attend(
-            f, src, self.sh(edge_vec), hidden, self.radial.output_layers(), self.dot.project_query(self.query(f)),
-            log_c, rowptr, lambda logits: self._attention_weights(logits, dst, num_nodes))
+            f, src, sh, hidden, linear, self.dot.project_query(self.query(f)),
+            log_c, rowptr, lambda logits: self._attention_weights(logits, dst, num_nodes, rowptr))
         if order is not None:
             alpha = torch.zeros_like(alpha).index_copy(0, order, alpha)
         return out, alpha

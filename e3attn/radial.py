@@ -130,14 +130,15 @@ class RadialEmbedding(Float64ConstantsModule):
         n, rmax = number_of_basis, self.max_radius
         if basis == "smooth_finite":
             grid = torch.linspace(0.0, rmax, n + 2, dtype=torch.float64)
-            self.step = rmax / (n + 1)
+            self.step, norm = rmax / (n + 1), _SMOOTH_FINITE_NORM
             self.register_constant("centers", grid[1:-1])
         elif basis == "gaussian":
-            self.step = rmax / (n - 1) if n > 1 else rmax
+            self.step, norm = (rmax / (n - 1) if n > 1 else rmax), _GAUSSIAN_NORM
             self.register_constant("centers", torch.linspace(0.0, rmax, n, dtype=torch.float64))
         else:
-            self.step = rmax
+            self.step, norm = rmax, math.sqrt(2.0 / rmax) * math.pi / rmax
             self.register_constant("centers", torch.arange(1, n + 1, dtype=torch.float64))
+        self.scale = norm * math.sqrt(n)  # every basis function's constant factor, sqrt(n) included
 
     def extra_repr(self) -> str:
         return f"number_of_basis={self.number_of_basis}, max_radius={self.max_radius}, basis={self.basis!r}"
@@ -151,16 +152,15 @@ class RadialEmbedding(Float64ConstantsModule):
             gap = 1 - d * d
             inside = gap > 0
             gap = torch.where(inside, gap, torch.ones_like(gap))
-            out = torch.where(inside, (-2 / gap).exp(), torch.zeros_like(gap)) * _SMOOTH_FINITE_NORM
+            out = torch.where(inside, (-2 / gap).exp(), torch.zeros_like(gap))
         elif self.basis == "gaussian":
             d = (r[..., None] - centers) / self.step
-            out = _GAUSSIAN_NORM * torch.exp(-d.pow(2)) * _polynomial_envelope(r / self.max_radius)[..., None]
+            out = torch.exp(-d.pow(2)) * _polynomial_envelope(r / self.max_radius)[..., None]
         else:
             # sin(k pi r / rmax) / r == (k pi / rmax) sinc(k r / rmax): finite at r = 0
-            x = r[..., None] / self.max_radius
-            out = math.sqrt(2.0 / self.max_radius) * (math.pi / self.max_radius) * centers * torch.sinc(centers * x)
+            out = centers * torch.sinc(centers * (r[..., None] / self.max_radius))
             out = out * _polynomial_envelope(r / self.max_radius)[..., None]
-        return out * math.sqrt(self.number_of_basis)
+        return out * self.scale
 
 
 def _second_moment_constant() -> float:
@@ -220,9 +220,21 @@ class RadialMLP(torch.nn.Module):
         ``forward(emb)[t] == hidden_features(emb)[t] @ output_layers()[t]``.
         """
         check_dtype(emb, "emb", self.weight1.dtype, "the module")
-        h = torch.nn.functional.silu(emb @ (self.weight1 / math.sqrt(self.number_of_basis))) * _SILU_NORM
-        return list(h.split(self.hidden, dim=1))
+        return self.activate(emb @ self.input_layer())
 
-    def output_layers(self) -> List[torch.Tensor]:
-        r"""The normalised second layers :math:`W_2^{(t)} / \sqrt{h}`, ``[hidden, outputs[t]]`` each."""
-        return [w / math.sqrt(self.hidden) for w in self.weight2]
+    def input_layer(self) -> torch.Tensor:
+        r"""The normalised first layers of all networks side by side, :math:`W_1 / \sqrt{n}` ``[n, T hidden]``."""
+        return self.weight1 / math.sqrt(self.number_of_basis)
+
+    def activate(self, pre: torch.Tensor, normalise: bool = True) -> List[torch.Tensor]:
+        r"""The hidden layers :math:`h^{(t)}` from the first layers' outputs ``pre = emb @ input_layer()``
+        (without their factor :math:`c` if not ``normalise``)."""
+        h = torch.nn.functional.silu(pre)
+        return list((h * _SILU_NORM if normalise else h).split(self.hidden, dim=1))
+
+    def output_layers(self, fold_activation_norm: bool = False) -> List[torch.Tensor]:
+        r"""The normalised second layers :math:`W_2^{(t)} / \sqrt{h}`, ``[hidden, outputs[t]]`` each; with
+        ``fold_activation_norm``, :math:`c\, W_2^{(t)} / \sqrt{h}`, for hidden features without their
+        :math:`c` (``activate(pre, normalise=False)``: one operation on ``[E, hidden]`` tensors less each way)."""
+        scale = (_SILU_NORM if fold_activation_norm else 1.0) / math.sqrt(self.hidden)
+        return [w * scale for w in self.weight2]

@@ -1,8 +1,10 @@
 r"""Spherical harmonics of edge directions as one matrix product of monomials."""
 from __future__ import annotations
 
+import functools
 from typing import List, Tuple
 
+import numpy as np
 import torch
 from e3nn import o3
 
@@ -15,6 +17,27 @@ __all__ = ["SphericalHarmonics"]
 def _monomials(l: int) -> List[Tuple[int, int, int]]:
     """Exponents ``(a, b, c)`` of the monomials :math:`x^a y^b z^c` of degree ``l``."""
     return [(a, b, l - a - b) for a in range(l, -1, -1) for b in range(l - a, -1, -1)]
+
+
+def _recurrence(l: int) -> Tuple[List[int], List[int]]:
+    """For every monomial of degree ``l > 0``: its parent (index among those of degree ``l - 1``) and the
+    variable (0, 1, 2 for x, y, z) that multiplies it, the first one with a positive exponent."""
+    prev, mono = _monomials(l - 1), _monomials(l)
+    variables = [0 if a else (1 if b else 2) for a, b, _ in mono]
+    return [prev.index(tuple(e - (i == v) for i, e in enumerate(m))) for m, v in zip(mono, variables)], variables
+
+
+@functools.lru_cache(maxsize=None)
+def monomial_recurrence(lmax: int) -> Tuple[np.ndarray, np.ndarray]:
+    """The monomials of degrees ``0..lmax`` in :class:`SphericalHarmonics`' order (degree by degree, 1 first):
+    for each, the index of its parent in that order and its variable (both 0 for the monomial 1)."""
+    parents, variables, offset = [0], [0], 0
+    for l in range(1, lmax + 1):
+        p, v = _recurrence(l)
+        parents += [offset + i for i in p]
+        variables += v
+        offset += len(_monomials(l - 1))
+    return np.asarray(parents, dtype=np.int64), np.asarray(variables, dtype=np.int64)
 
 
 class SphericalHarmonics(Float64ConstantsModule):
@@ -58,9 +81,8 @@ class SphericalHarmonics(Float64ConstantsModule):
         for l in range(lmax + 1):
             mono = _monomials(l)
             if l > 0:  # x^a y^b z^c = (parent of degree l - 1) * (first variable with a positive exponent)
-                prev = _monomials(l - 1)
-                var = [0 if a else (1 if b else 2) for a, b, _ in mono]
-                parents.append([prev.index(tuple(e - (i == v) for i, e in enumerate(m))) for m, v in zip(mono, var)])
+                parent, var = _recurrence(l)
+                parents.append(parent)
                 variables.append(var)
             points = torch.randn(4 * len(mono) + 8, 3, generator=gen, dtype=torch.float64)
             powers = torch.stack([points[:, 0] ** a * points[:, 1] ** b * points[:, 2] ** c for a, b, c in mono], 1)

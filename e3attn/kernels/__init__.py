@@ -7,6 +7,9 @@ On the CPU, :class:`~e3attn.attention.EquivariantAttention` contracts its radial
   path features, compiled on first use (once per dtype) and cached on disk;
 * :mod:`e3attn.kernels.segment_ops`: their custom operators, each one's gradients computed by the other, so
   every order of derivative (forces and their training) runs on them;
+* :mod:`e3attn.kernels.geometry_ops` and :mod:`e3attn.kernels.softmax_ops`: the edges' harmonics, radial first
+  layer and lengths, and the attention's softmax over each node's edges, one numba pass per direction each
+  (``torch.autograd.Function`` s for plain eager tensors, :func:`eager_on_cpu`);
 * :mod:`e3attn.kernels.threads`: the threads that run them (PyTorch's own OpenMP threads where possible).
 
 Elsewhere, :meth:`SphericalTensorProduct.forward_factored <e3attn.tensor_product.SphericalTensorProduct.forward_factored>`
@@ -45,7 +48,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
-__all__ = ["fused_enabled", "fused_factored_product", "segments_enabled", "set_cuda_kernels", "set_fused_kernels"]
+__all__ = ["eager_on_cpu", "fused_enabled", "fused_factored_product", "segments_enabled", "set_cuda_kernels",
+           "set_fused_kernels"]
 
 _DTYPES = (torch.float32, torch.float64)
 _ENABLED = os.environ.get("E3ATTN_FUSED_KERNELS", "1") != "0"
@@ -100,6 +104,14 @@ def segments_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     from . import ops
 
     return ops._CPU_KERNELS == "numba"
+
+
+def eager_on_cpu(*tensors: torch.Tensor) -> bool:
+    """Whether the layer's autograd-function kernels (:mod:`~e3attn.kernels.geometry_ops`,
+    :mod:`~e3attn.kernels.softmax_ops`) may take ``tensors``: plain CPU tensors of float32 or float64, in eager
+    mode (no ``torch.compile`` tracing, no dispatch mode). The caller also checks :func:`segments_enabled`."""
+    return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()) and all(
+        type(t) is torch.Tensor and t.device.type == "cpu" and t.dtype in _DTYPES for t in tensors)
 
 
 @functools.lru_cache(maxsize=None)

@@ -251,6 +251,7 @@ def forward(x, index, sh, hidden, lin, s, tile, gi, groups, out):
 @numba.njit(**_JIT)
 def _forward_tile(x, index, sh, hidden, lin, s, tile, ti, out, xt, sht, ht, y, wt, z):
     """Tile ``ti`` of :func:`forward`, in the given buffers."""
+    i0, i1 = np.int64(0), np.int64(1)  # not literals: each literal argument compiles another _mac
     channels = s[6]
     e0 = ti * tile
     n = min(tile, sh.shape[0] - e0)
@@ -258,7 +259,7 @@ def _forward_tile(x, index, sh, hidden, lin, s, tile, ti, out, xt, sht, ht, y, w
     for b in range(s[5].shape[0]):
         poff, kdim, dim_l, width, coff, hoff, hdim, base, numel = _block(s, b)
         wt[: kdim * width, :n] = 0.0
-        _mac(wt, 0, kdim * width, ht, hoff, hdim, lin, base, 1, numel, n)
+        _mac(wt, i0, kdim * width, ht, hoff, hdim, lin, base, i1, numel, n)
         z[:dim_l, :width, :n] = 0.0
         _contract(z, wt, y, poff, kdim, dim_l, width, n)
         for e in range(n):
@@ -272,6 +273,7 @@ def backward(x, index, sh, hidden, lin, grad, s, tile, need_inputs, need_hidden,
              gx_edges, gsh, ghidden, glin_groups, gi):
     """Group ``gi`` of the tiles: the gradients from ``grad`` ``[E, out_dim]`` of the gathered ``x`` per
     edge, of ``sh`` and ``hidden`` (written, where needed), and of ``lin`` (into ``glin_groups[gi]``)."""
+    i0, i1 = np.int64(0), np.int64(1)  # not literals: each literal argument compiles another _mac
     channels = s[6]
     num = sh.shape[0]
     tiles = (num + tile - 1) // tile
@@ -292,12 +294,12 @@ def backward(x, index, sh, hidden, lin, grad, s, tile, need_inputs, need_hidden,
             _grad_block(grad, channels, e0, n, coff, dim_l, width, gz)
             if need_inputs:
                 wt[:size, :n] = 0.0
-                _mac(wt, 0, size, ht, hoff, hdim, lin, base, 1, numel, n)
+                _mac(wt, i0, size, ht, hoff, hdim, lin, base, i1, numel, n)
                 _contract_weights(gy, wt, gz, poff, kdim, dim_l, width, n)
             if need_hidden or need_lin:
                 _contract_paths(gwt, gz, y, poff, kdim, dim_l, width, n)
             if need_hidden:  # gh[h, e] += sum_j lin[h, j] gw[j, e]
-                _mac(ght, hoff, hdim, gwt, 0, size, lin, base, numel, 1, n)
+                _mac(ght, hoff, hdim, gwt, i0, size, lin, base, numel, i1, n)
             if need_lin:  # lin[h, j] += sum_e ht[h, e] gw[j, e]
                 _dots(glin, base, numel, ht, hoff, hdim, gwt, size, n, zero)
         if need_hidden:
@@ -326,6 +328,7 @@ def backward_backward(x, index, sh, hidden, lin, grad, vx, vsh, vhidden, vlin, s
     :math:`\partial_L = h^T (g \otimes y') + v_h^T (g \otimes y)`. Outputs as in :func:`backward`, and
     ``ggrad`` ``[E, out_dim]``.
     """
+    i0, i1 = np.int64(0), np.int64(1)  # not literals: each literal argument compiles another _mac
     channels = s[6]
     num = sh.shape[0]
     tiles = (num + tile - 1) // tile
@@ -361,13 +364,13 @@ def backward_backward(x, index, sh, hidden, lin, grad, vx, vsh, vhidden, vlin, s
             _grad_block(grad, channels, e0, n, coff, dim_l, width, gz)
             if need_grad or (need_inputs and has_yd):  # w = h L
                 wt[:size, :n] = 0.0
-                _mac(wt, 0, size, ht, hoff, hdim, lin, base, 1, numel, n)
+                _mac(wt, i0, size, ht, hoff, hdim, lin, base, i1, numel, n)
             if has_wd:  # w' = v_h L + h v_L
                 wd[:size, :n] = 0.0
                 if has_vh:
-                    _mac(wd, 0, size, vht, hoff, hdim, lin, base, 1, numel, n)
+                    _mac(wd, i0, size, vht, hoff, hdim, lin, base, i1, numel, n)
                 if has_vlin:
-                    _mac(wd, 0, size, ht, hoff, hdim, vlin, base, 1, numel, n)
+                    _mac(wd, i0, size, ht, hoff, hdim, vlin, base, i1, numel, n)
             if need_grad:
                 z[:dim_l, :width, :n] = 0.0
                 if has_yd:
@@ -386,13 +389,13 @@ def backward_backward(x, index, sh, hidden, lin, grad, vx, vsh, vhidden, vlin, s
             if (need_hidden or need_lin) and has_yd:  # g (x) y' against L and h
                 _contract_paths(gwt, gz, yd, poff, kdim, dim_l, width, n)
                 if need_hidden:
-                    _mac(ght, hoff, hdim, gwt, 0, size, lin, base, numel, 1, n)
+                    _mac(ght, hoff, hdim, gwt, i0, size, lin, base, numel, i1, n)
                 if need_lin:
                     _dots(glin, base, numel, ht, hoff, hdim, gwt, size, n, zero)
             if (need_hidden and has_vlin) or (need_lin and has_vh):  # g (x) y against v_L and v_h
                 _contract_paths(gwt, gz, y, poff, kdim, dim_l, width, n)
                 if need_hidden and has_vlin:
-                    _mac(ght, hoff, hdim, gwt, 0, size, vlin, base, numel, 1, n)
+                    _mac(ght, hoff, hdim, gwt, i0, size, vlin, base, numel, i1, n)
                 if need_lin and has_vh:
                     _dots(glin, base, numel, vht, hoff, hdim, gwt, size, n, zero)
         if need_hidden:

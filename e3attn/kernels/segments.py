@@ -59,13 +59,14 @@ def _expand(buf, z, lt, blocks, heads, hidden, tmp):
     """``buf [J, P] = E(z, L)``: ``buf[a H + h, poff + m K + k] = sum_w z[a, w, m] lt[a, w, h, k]`` per block,
     per head a small matrix product ``tmp [2l+1, H K] = z_a^T lt_a`` along rows of ``H K``, then copied in. The
     columns of no block are left as they are (zero in :func:`node_pass`)."""
+    i0, i1 = np.int64(0), np.int64(1)  # not literals: each literal argument compiles another _mac
     for b in range(blocks.shape[0]):
         poff, kdim, dim_l, width, loff, zoff = blocks[b]
         size = hidden * kdim
         for a in range(heads):
             tmp[:dim_l, :size] = 0.0
             rows = lt[loff + a * width * size : loff + (a + 1) * width * size].reshape(width, size)
-            _mac(tmp, 0, dim_l, rows, 0, width, z, zoff + a * width * dim_l, 1, dim_l, size)
+            _mac(tmp, i0, dim_l, rows, i0, width, z, zoff + a * width * dim_l, i1, dim_l, size)
             for m in range(dim_l):
                 for h in range(hidden):
                     src, dst = tmp[m, h * kdim :], buf[a * hidden + h, poff + m * kdim :]
@@ -79,6 +80,7 @@ def _adjoints(buf, lt, z, blocks, heads, hidden, tmp, out, glt):
     sum_hk lt[a, w, h, k] buf[a H + h, poff + m K + k]`` (if ``out`` has entries), and ``glt += X(buf, z)``, the
     gradient of ``<E(z, L), buf>`` in ``L``, ``glt[a, w, h, k] += sum_m z[a, w, m] buf[a H + h, poff + m K + k]``
     (if ``glt`` has entries); both along rows of ``H K``."""
+    i0, i1 = np.int64(0), np.int64(1)  # not literals: each literal argument compiles another _mac
     zero = np.zeros(1, buf.dtype)[0]
     for b in range(blocks.shape[0]):
         poff, kdim, dim_l, width, loff, zoff = blocks[b]
@@ -88,11 +90,11 @@ def _adjoints(buf, lt, z, blocks, heads, hidden, tmp, out, glt):
             first, start = loff + a * width * size, zoff + a * width * dim_l
             if out.shape[0]:
                 out[start : start + width * dim_l] = 0.0
-                _dots(out, start, dim_l, lt[first : first + width * size].reshape(width, size), 0, width, tmp,
+                _dots(out, start, dim_l, lt[first : first + width * size].reshape(width, size), i0, width, tmp,
                       dim_l, size, zero)
             if glt.shape[0]:
-                _mac(glt[first : first + width * size].reshape(width, size), 0, width, tmp, 0, dim_l, z, start,
-                     dim_l, 1, size)
+                _mac(glt[first : first + width * size].reshape(width, size), i0, width, tmp, i0, dim_l, z, start,
+                     dim_l, i1, size)
 
 
 # ------------------------------------------------------------------ kernels: one pass over the nodes of a group
@@ -108,6 +110,7 @@ def node_pass(y, a, z, lt, blocks, heads, hidden, rowptr, gi, groups, out_t, out
     * with ``U_i = sum_{e -> i} a_e^T y_e``, built once per node in cache: ``out_o[i] = R(U_i, L)`` and
       ``glt_groups[gi] = sum_i X(U_i, z_i)`` (summed over the groups in order afterwards: bitwise repeatable).
     """
+    i0, i1 = np.int64(0), np.int64(1)  # not literals: each literal argument compiles another _mac
     nodes, paths, width = rowptr.shape[0] - 1, y.shape[1], heads * hidden  # an unused y is an empty [0, paths]
     zero = np.zeros(1, z.dtype)[0]
     buf, tmp, none = np.zeros((width, paths), z.dtype), _scratch(blocks, hidden, z), np.empty(0, z.dtype)
@@ -129,10 +132,10 @@ def node_pass(y, a, z, lt, blocks, heads, hidden, rowptr, gi, groups, out_t, out
                 _dots(out_t, start * width, width, y, start, stop - start, buf, width, paths, zero)
             if want_r:
                 out_r[start:stop] = 0.0
-                _mac(out_r, start, stop - start, buf, 0, width, a, start * width, width, 1, paths)
+                _mac(out_r, start, stop - start, buf, i0, width, a, start * width, width, i1, paths)
         if want_o or want_g:
             buf[:, :] = 0.0
-            _mac(buf, 0, width, y, start, stop - start, a, start * width, 1, width, paths)
+            _mac(buf, i0, width, y, start, stop - start, a, start * width, i1, width, paths)
             _adjoints(buf, lt, z[i] if want_g else none, blocks, heads, hidden, tmp, out_o[i] if want_o else none,
                       glt_groups[gi] if want_g else none)
 
