@@ -116,6 +116,30 @@ def test_node_operators_gradcheck_and_gradgradcheck(route):
         assert torch.autograd.gradgradcheck(fn, args)
 
 
+@pytest.mark.parametrize("route", ["dispatcher", "eager"])
+def test_first_order_gradients_in_one_pass(route):
+    """The layer's keys (``node_expand`` without ``a``) and values (``node_outer`` without ``z``): in eager mode their
+    first-order gradients come from one node pass (``_node_pass``), which gradcheck compares with finite
+    differences, and equal the separate operators' (through a differentiable backward)."""
+    rowptr, _ = _graph(torch.tensor([2, 0, 3]))
+    y, a, z, lt = _operands(2, torch.tensor([2, 0, 3]))
+
+    def keys(y, z, lt):
+        return _through(route, segment_ops.node_expand)(y, None, z, lt, BLOCKS, rowptr, DIMS)[0]
+
+    def values(a, y, lt):
+        return _through(route, segment_ops.node_outer)(a, y, lt, None, BLOCKS, rowptr, DIMS)[0]
+
+    for fn, args in ((keys, (y, z, lt)), (values, (a, y, lt))):
+        assert torch.autograd.gradcheck(fn, args)
+        out = fn(*args)
+        cot = torch.randn_like(out)
+        single = torch.autograd.grad(out, args, cot)
+        separate = torch.autograd.grad(fn(*args), args, cot, create_graph=True)  # the separate operators
+        for got, want in zip(single, separate):
+            torch.testing.assert_close(got, want, atol=1e-13, rtol=0)
+
+
 def test_node_operators_pass_opcheck():
     rowptr, _ = _graph()
     y, a, z, lt = _operands(3)

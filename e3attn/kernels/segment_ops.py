@@ -114,20 +114,29 @@ def _common_dtype(**tensors: Optional[torch.Tensor]) -> torch.dtype:
 _NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
 
 
+def _node_pass(y, a, z, lt, blocks, rowptr, dims, needs) -> Tuple[torch.Tensor, ...]:
+    r"""The outputs of :func:`~e3attn.kernels.segments.node_pass` flagged in ``needs`` (the others empty), in one
+    pass over the nodes: with :math:`Q_i = E(z_i, L)`, :math:`t_e = y_e Q_i^T` ``[E, heads * hidden]`` and
+    :math:`r_e = a_e Q_i` ``[E, paths]``; with :math:`U_i = \sum_{e \to i} a_e^T y_e`, :math:`R(U_i, L)`
+    ``[N, z width]`` and :math:`\sum_i X(U_i, z_i)` ``[L size]`` (the gradient in :math:`L` of
+    :math:`\sum_i \langle E(z_i, L), U_i \rangle`; summed per fixed group of nodes, in order)."""
+    (a_, y_, z_, lt_), table, ptr = _node_arguments(a, y, z, lt, blocks, rowptr, dims)
+    need_t, need_r, need_o, need_g = needs
+    num, ref = max(y_.shape[0], a_.shape[0] // max(1, dims[0] * dims[1])), next(t for t in (y, a, z) if t is not None)
+    outs = (ref.new_empty(num if need_t else 0, dims[0] * dims[1]), ref.new_empty(num if need_r else 0, dims[2]),
+            ref.new_empty(rowptr.shape[0] - 1 if need_o else 0, dims[3]),
+            ref.new_empty(cpu.GROUPS if need_g else 0, dims[4]))
+    arrays = (outs[0].view(-1).numpy(), outs[1].numpy(), outs[2].numpy(), outs[3].numpy())
+    groups = cpu.GROUPS if need_g else _node_groups(rowptr)
+    parallel(lambda g: segments.node_pass(y_, a_, z_, lt_, table, dims[0], dims[1], ptr, g, groups, *arrays), groups,
+             sum(needs) * num * dims[0] * dims[1] * dims[2])
+    return outs[0], outs[1], outs[2], outs[3].sum(0) if need_g else outs[3].new_empty(0)
+
+
 def _node_expand(y: Optional[torch.Tensor], a: Optional[torch.Tensor], z: torch.Tensor, lt: torch.Tensor,
                 blocks: torch.Tensor, rowptr: torch.Tensor, dims: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """With :math:`Q_i = E(z_i, L)`: :math:`t_e = y_e Q_i^T` ``[E, heads * hidden]`` and :math:`r_e = a_e Q_i`
-    ``[E, paths]`` (each empty when its input is None)."""
-    (a_, y_, z_, lt_), table, ptr = _node_arguments(a, y, z, lt, blocks, rowptr, dims)
-    num = y_.shape[0] if y is not None else (a.shape[0] if a is not None else 0)
-    out_t = z.new_empty(num if y is not None else 0, dims[0] * dims[1])
-    out_r = z.new_empty(num if a is not None else 0, dims[2])
-    empty = np.empty((0, dims[3]), _NUMPY[z.dtype])
-    arrays = (out_t.view(-1).numpy(), out_r.numpy(), empty, empty)
-    groups = _node_groups(rowptr)
-    parallel(lambda g: segments.node_pass(y_, a_, z_, lt_, table, dims[0], dims[1], ptr, g, groups, *arrays), groups,
-             num * dims[0] * dims[1] * dims[2])
-    return out_t, out_r
+    """:math:`t = D(y, Q)` and :math:`r = C(a, Q)` of :func:`_node_pass` (each empty when its input is None)."""
+    return _node_pass(y, a, z, lt, blocks, rowptr, dims, (y is not None, a is not None, False, False))[:2]
 
 
 node_expand = torch.library.custom_op("e3attn::node_expand", _node_expand, mutates_args=())
@@ -135,17 +144,8 @@ node_expand = torch.library.custom_op("e3attn::node_expand", _node_expand, mutat
 
 def _node_outer(a: torch.Tensor, y: torch.Tensor, lt: Optional[torch.Tensor], z: Optional[torch.Tensor],
                blocks: torch.Tensor, rowptr: torch.Tensor, dims: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
-    r"""With :math:`U_i = \sum_{e \to i} a_e^T y_e`: :math:`R(U_i, L)` ``[N, z width]`` and
-    :math:`\sum_i X(U_i, z_i)` ``[L size]`` (the gradient in :math:`L` of :math:`\sum_i \langle E(z_i, L), U_i
-    \rangle`; summed per fixed group of nodes, in order), each empty when its input is None."""
-    (a_, y_, z_, lt_), table, ptr = _node_arguments(a, y, z, lt, blocks, rowptr, dims)
-    out_o = y.new_empty(rowptr.shape[0] - 1 if lt is not None else 0, dims[3])
-    glt = y.new_empty(cpu.GROUPS if z is not None else 0, dims[4])
-    arrays = (np.empty(0, _NUMPY[y.dtype]), np.empty((0, dims[2]), _NUMPY[y.dtype]), out_o.numpy(), glt.numpy())
-    groups = cpu.GROUPS if z is not None else _node_groups(rowptr)
-    parallel(lambda g: segments.node_pass(y_, a_, z_, lt_, table, dims[0], dims[1], ptr, g, groups, *arrays), groups,
-             y.shape[0] * dims[0] * dims[1] * dims[2])
-    return out_o, glt.sum(0) if z is not None else glt.new_empty(0)
+    """:math:`R(U, L)` and :math:`\sum_i X(U_i, z_i)` of :func:`_node_pass` (each empty when its input is None)."""
+    return _node_pass(y, a, z, lt, blocks, rowptr, dims, (False, False, lt is not None, z is not None))[2:]
 
 
 node_outer = torch.library.custom_op("e3attn::node_outer", _node_outer, mutates_args=())
@@ -264,12 +264,21 @@ def _add(total: Optional[torch.Tensor], part: torch.Tensor) -> torch.Tensor:
     return part if total is None else total + part
 
 
+def _first_order(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether a backward formula may compute all its gradients in one :func:`_node_pass`: they need not be
+    differentiable (the separate operators are), in plain eager mode."""
+    return not torch.is_grad_enabled() and _eager_mode(tensors)
+
+
 def _expand_backward(ctx, gt, gr):
     r"""For :math:`t = D(y, Q)`, :math:`r = C(a, Q)`, :math:`Q = E(z, L)`: :math:`\partial_y = C(g_t, Q)`,
     :math:`\partial_a = D(g_r, Q)` (one call), and :math:`\partial_{z, L}` from :math:`U = O(g_t, y) + O(a, g_r)`."""
     y, a, z, lt, blocks, rowptr = ctx.saved_tensors
     gt, gr, d = _used(gt) if y is not None else None, _used(gr) if a is not None else None, ctx.dims
     need_y, need_a, need_z, need_lt = ctx.needs_input_grad[:4]
+    if a is None and gt is not None and _first_order(gt, y, z, lt):  # the layer's keys: one pass
+        _, gy, gz, glt = _node_pass(y, gt, z, lt, blocks, rowptr, d, (False, need_y, need_z, need_lt))
+        return gy if need_y else None, None, gz if need_z else None, glt if need_lt else None, None, None, None
     ga = gy = gz = glt = None
     use_gr, use_gt = need_a and gr is not None, need_y and gt is not None
     if use_gr or use_gt:
@@ -290,6 +299,9 @@ def _outer_backward(ctx, go, gg):
     a, y, lt, z, blocks, rowptr = ctx.saved_tensors
     go, gg, d = _used(go) if lt is not None else None, _used(gg) if z is not None else None, ctx.dims
     need_a, need_y, need_lt, need_z = ctx.needs_input_grad[:4]
+    if z is None and go is not None and _first_order(go, a, y, lt):  # the layer's values: one pass
+        ga, gy, _, glt = _node_pass(y, a, go, lt, blocks, rowptr, d, (need_a, need_y, False, need_lt))
+        return ga if need_a else None, gy if need_y else None, glt if need_lt else None, None, None, None, None
     ga = gy = glt = gz = None
     if need_a or need_y:
         for zz, ll in ((go, lt), (z, gg)):
@@ -387,7 +399,10 @@ def call(op, *args):
     """``op(*args)`` for one of this module's operators. In plain eager mode (plain tensors, no ``torch.compile``
     tracing and no dispatch mode active), its implementation and autograd are called directly, without the dispatcher's
     cost per call (which small graphs feel); otherwise through the dispatcher."""
-    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-            or any(type(t) is not torch.Tensor for t in args if isinstance(t, torch.Tensor))):
-        return op(*args)
-    return _EAGER[op](*args)
+    return _EAGER[op](*args) if _eager_mode(args) else op(*args)
+
+
+def _eager_mode(args) -> bool:
+    """Plain eager mode: no ``torch.compile`` tracing, no dispatch mode, only plain tensors in ``args``."""
+    return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+                or any(type(t) is not torch.Tensor for t in args if isinstance(t, torch.Tensor)))
