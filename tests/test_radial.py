@@ -88,3 +88,16 @@ def test_radial_mlp_formula():
     for t, w2 in enumerate(mlp.weight2):
         h = torch.nn.functional.silu(x @ w1[:, 5 * t : 5 * (t + 1)] / math.sqrt(6)) * c
         torch.testing.assert_close(mlp(x)[t], h @ w2.detach() / math.sqrt(5), atol=1e-12, rtol=0)
+
+
+def test_radial_mlp_pieces_compose_to_it():
+    """``activate(emb @ input_layer())`` with ``output_layers()``, and the unnormalised hidden features with the
+    normalisation folded into the last layers (what the layer contracts at the nodes), both equal ``forward``."""
+    torch.manual_seed(0)
+    mlp = RadialMLP(6, 5, [7, 3]).double()
+    x = torch.randn(4, 6, dtype=torch.float64)
+    pre = x @ mlp.input_layer()
+    for normalise in (True, False):
+        pieces = zip(mlp.activate(pre, normalise=normalise), mlp.output_layers(fold_activation_norm=not normalise))
+        for got, want in zip([h @ w for h, w in pieces], mlp(x)):
+            torch.testing.assert_close(got, want, atol=1e-13, rtol=0)
