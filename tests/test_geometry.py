@@ -70,6 +70,16 @@ def test_geometry_equals_the_plain_formulation(basis, lmax, float64_default):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)  # 1e12-sized at the floor: relative there
 
 
+def test_geometry_gradient_of_the_first_layer_alone(float64_default):
+    """Fixed edge vectors (energy-only training): the kernels skip the vectors' gradient, the first layer's is
+    unchanged."""
+    layer, v = _layer(), _vectors().detach()
+    first = _first(layer)
+    fused, plain = _fused(layer, v, first), layer._plain_geometry(v, first)
+    cot = _cotangents(plain)
+    torch.testing.assert_close(_grads(fused, (first,), cot)[0], _grads(plain, (first,), cot)[0], atol=1e-12, rtol=0)
+
+
 def test_geometry_matches_e3nn(float64_default):
     """The harmonics against e3nn's own, the first layer against e3nn's embedding (away from the special lengths)."""
     layer, v = _layer(), _vectors()[10:]
@@ -134,8 +144,10 @@ def test_geometry_empty_and_repeatable(float64_default):
 def test_geometry_checks_its_inputs(float64_default):
     layer = _layer()
     first = _first(layer)
-    with pytest.raises(ValueError, match=r"vectors must have shape \[E, 3\]"):
+    with pytest.raises(ValueError, match=r"vectors must be a float32 or float64 CPU tensor \[E, 3\]"):
         _fused(layer, torch.zeros(4, 2), first)
+    with pytest.raises(ValueError, match="float32 or float64"):
+        _fused(layer, torch.zeros(4, 3, dtype=torch.float16), first)
     with pytest.raises(ValueError, match="first_layer must be"):
         _fused(layer, torch.zeros(4, 3), first[:3])
     with pytest.raises(ValueError, match="first_layer must be"):
@@ -161,6 +173,7 @@ def test_layer_uses_the_kernels_only_in_eager_mode(float64_default, monkeypatch)
     assert calls == [1]
     v = torch.randn(5, 3, dtype=torch.float64)
     assert kernels.eager_on_cpu(v, v) and not kernels.eager_on_cpu(v.half(), v)
+    assert not kernels.eager_on_cpu(torch.nn.Parameter(v), v)  # a tensor subclass
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Mode(TorchDispatchMode):

@@ -49,14 +49,20 @@ def test_softmax_derivatives():
 def test_softmax_nan_and_checks():
     logits, rowptr, plain = _case()
     with torch.no_grad():
-        logits[4, 1] = float("nan")  # node 2's edges 4..7: all NaN in that head, as in the plain formulation
+        logits[4, 1] = float("nan")  # edge 4 of node 4 (edges 4..7): its head 1 has no normaliser, as in the plain
     got, want = softmax_ops.segment_softmax_csr(logits, rowptr, plain), plain(logits)
-    for a, b in zip(got, want):
+    cot = [torch.randn(logits.shape, dtype=logits.dtype) for _ in range(2)]
+    grads = [torch.autograd.grad(out, logits, cot)[0] for out in (got, want)]
+    for a, b in zip(list(got) + grads[:1], list(want) + grads[1:]):
         assert torch.equal(a.isnan(), b.isnan())
+        torch.testing.assert_close(a[~a.isnan()], b[~b.isnan()], atol=1e-12, rtol=1e-12)
+    assert got[0][4:8, 1].isnan().sum() == 1 and grads[0][4:8, 1].isnan().sum() == 1  # the others stay finite
     with pytest.raises(ValueError, match="rowptr must rise"):
         softmax_ops.segment_softmax_csr(logits, rowptr.flip(0), plain)
-    with pytest.raises(ValueError, match=r"logits must have shape \[E, H\]"):
+    with pytest.raises(ValueError, match=r"logits must be a float32 or float64 CPU tensor \[E, H\]"):
         softmax_ops.segment_softmax_csr(logits[:, 0], rowptr, plain)
+    with pytest.raises(ValueError, match="float32 or float64"):
+        softmax_ops.segment_softmax_csr(logits.detach().half(), rowptr, plain)
 
 
 @pytest.mark.parametrize("aggregation", EquivariantAttention.AGGREGATIONS)

@@ -68,7 +68,7 @@ def _embedding(r, basis, centers, step, rmax, scale, emb, demb, derivative):
     basis functions that may be nonzero, and their values in ``emb[lo:hi]`` (``demb[lo:hi]``); the others are 0.
     Divisions by the step are multiplications by its inverse (a rounding apart: the functions are smooth)."""
     nb, inv_step = centers.shape[0], 1.0 / step
-    if not r < rmax:  # every basis function is 0 from r_max on (and for NaN, as the plain formulation's where)
+    if not r < rmax:  # every basis function is 0 from r_max on (also for NaN or infinite r: no NaN passes here)
         return 0, 0
     if basis == SMOOTH_FINITE:  # exp(-2 / (1 - d^2)) for |d| < 1: centre k is k + 1 steps out, so k = q - 1 or q
         q = int(r * inv_step)  # (at the others d^2 > 1, or 1 - d^2 is a rounding above 0 and exp(-2 / gap) is 0)
@@ -105,8 +105,8 @@ def geometry(vec, w1, coef, lmax, basis, centers, step, rmax, scale, parents, va
              tile, gi, groups, out_sh, out_pre, out_r, out_vec, out_w1):
     """Group ``gi`` of ``groups`` of the tiles. Forward (``g_sh`` empty): ``out_sh [E, (lmax + 1)^2]``,
     ``out_pre [E, J]`` and the lengths ``out_r [E, 1]``. Backward: for the gradients ``g_sh``, ``g_pre`` and
-    ``g_r [E, 1]`` of those, the gradients ``out_vec [E, 3]`` and, added to ``out_w1[gi]`` ``[nb, J]`` (if it
-    has rows), of :math:`W_1`. (One function for both: numba compiles each function for seconds.)"""
+    ``g_r [E, 1]`` of those, the gradients ``out_vec [E, 3]`` (if it has rows) and, added to ``out_w1[gi]``
+    ``[nb, J]`` (if it has rows), of :math:`W_1`. (One function for both: numba compiles each function for seconds.)"""
     i1 = np.int64(1)  # not a literal: each literal argument compiles another _mac
     nb, width, nsh, backward = w1.shape[0], w1.shape[1], (lmax + 1) ** 2, g_sh.shape[0] > 0
     nm, dt = (lmax + 1) * (lmax + 2) * (lmax + 3) // 6, vec.dtype
@@ -155,7 +155,7 @@ def geometry(vec, w1, coef, lmax, basis, centers, step, rmax, scale, parents, va
                     gb[j] += b * g
                 total += demb[k] * dot_a + (demb[k1] * dot_b if k1 > k else zero)
             grad_r[e] = total
-        if not backward:
+        if not (backward and out_vec.shape[0]):  # (an empty out_vec: no gradient of the vectors wanted)
             continue
         _load(g_sh, no_index, e0, n, sht)
         gmono[:, :n] = 0.0
@@ -170,7 +170,7 @@ def geometry(vec, w1, coef, lmax, basis, centers, step, rmax, scale, parents, va
                 guv[e] += gj[e] * mp[e]
         for e in range(n):
             ux, uy, uz, gx, gy, gz = u[0, e], u[1, e], u[2, e], gu[0, e], gu[1, e], gu[2, e]
-            if r[e] > _EPS:  # (g_u - u (u . g_u)) / r + g_r u
+            if r[e] >= _EPS:  # (g_u - u (u . g_u)) / r + g_r u
                 along = ux * gx + uy * gy + uz * gz
                 inv = 1.0 / r[e]
                 out_vec[e0 + e, 0] = (gx - ux * along) * inv + grad_r[e] * ux

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from typing import Callable, Tuple
 
-import numpy as np
 import torch
 
 from . import cpu, geometry
@@ -32,6 +31,7 @@ from .threads import parallel
 __all__ = ["edge_geometry"]
 
 _TILE = 128
+_DTYPES = (torch.float32, torch.float64)
 _BASES = {"smooth_finite": geometry.SMOOTH_FINITE, "gaussian": geometry.GAUSSIAN, "bessel": geometry.BESSEL}
 
 Geometry = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -43,8 +43,9 @@ def edge_geometry(vectors: torch.Tensor, first_layer: torch.Tensor, harmonics: t
     ``first_layer [n, J]`` (:meth:`~e3attn.radial.RadialMLP.input_layer`), the spherical harmonics
     ``harmonics`` and the embedding ``embedding`` (see the module docstring). ``plain(vectors, first_layer)``
     computes the same in PyTorch operations (for derivatives that must be differentiable)."""
-    if vectors.dim() != 2 or vectors.shape[1] != 3:
-        raise ValueError(f"vectors must have shape [E, 3], got {list(vectors.shape)}")
+    if vectors.dim() != 2 or vectors.shape[1] != 3 or vectors.device.type != "cpu" or vectors.dtype not in _DTYPES:
+        raise ValueError(f"vectors must be a float32 or float64 CPU tensor [E, 3], got {vectors.dtype} "
+                         f"{list(vectors.shape)} on {vectors.device.type}")
     basis = embedding.number_of_basis
     if first_layer.dim() != 2 or first_layer.shape[0] != basis or first_layer.dtype != vectors.dtype:
         raise ValueError(f"first_layer must be [{basis}, J] of {vectors.dtype}, got "
@@ -88,13 +89,14 @@ def _forward(vectors: torch.Tensor, first_layer: torch.Tensor, constants: tuple)
 
 
 def _backward(vectors: torch.Tensor, first_layer: torch.Tensor, constants: tuple, g_sh: torch.Tensor,
-              g_pre: torch.Tensor, g_r: torch.Tensor, need_first: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+              g_pre: torch.Tensor, g_r: torch.Tensor, need_vectors: bool, need_first: bool
+              ) -> Tuple[torch.Tensor, torch.Tensor]:
     empty = vectors.new_empty(0, 1)
-    g_vec = torch.empty_like(vectors)
+    g_vec = torch.empty_like(vectors) if need_vectors else vectors.new_empty(0, 3)
     g_first = first_layer.new_zeros((cpu.GROUPS if need_first else 0,) + tuple(first_layer.shape))
     _run(vectors, first_layer, constants, (g_sh, g_pre, g_r.reshape(-1, 1)), (empty, empty, empty, g_vec, g_first),
          cpu.GROUPS, 2 * _work(vectors, first_layer))
-    return g_vec, g_first.sum(0) if need_first else None
+    return g_vec if need_vectors else None, g_first.sum(0) if need_first else None
 
 
 class _Geometry(torch.autograd.Function):
@@ -120,5 +122,5 @@ class _Geometry(torch.autograd.Function):
             g_vec, g_first = (next(grads) if need_vectors else None), (next(grads) if need_first else None)
         else:
             g_vec, g_first = _backward(vectors, first_layer, ctx.constants, g_sh.contiguous(), g_pre.contiguous(),
-                                       g_r.contiguous(), need_first)
+                                       g_r.contiguous(), need_vectors, need_first)
         return g_vec if need_vectors else None, g_first, None, None

@@ -144,7 +144,7 @@ node_expand = torch.library.custom_op("e3attn::node_expand", _node_expand, mutat
 
 def _node_outer(a: torch.Tensor, y: torch.Tensor, lt: Optional[torch.Tensor], z: Optional[torch.Tensor],
                blocks: torch.Tensor, rowptr: torch.Tensor, dims: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """:math:`R(U, L)` and :math:`\sum_i X(U_i, z_i)` of :func:`_node_pass` (each empty when its input is None)."""
+    r""":math:`R(U, L)` and :math:`\sum_i X(U_i, z_i)` of :func:`_node_pass` (each empty when its input is None)."""
     return _node_pass(y, a, z, lt, blocks, rowptr, dims, (False, False, lt is not None, z is not None))[2:]
 
 

@@ -9,7 +9,8 @@ With the edges sorted by destination (``rowptr [N + 1]``, as in :mod:`e3attn.ker
     \alpha_e = \frac{e^{s_e - m_i}}{Z_i}, \qquad \beta_e = \frac{e^{(s_e - m_i)/2}}{\sqrt{Z_i}}, \qquad
     Z_i = \sum_{e' \to i} e^{s_{e'} - m_i},
 
-with :math:`m_i` the largest logit of node :math:`i` (0 where none is finite, :math:`Z_i = 1` where it is 0),
+with :math:`m_i` the largest logit of node :math:`i` (0 where none is finite, :math:`Z_i = 1` where it is 0 or
+NaN, and then constant),
 in one pass over the nodes instead of about ten PyTorch operations, and the gradient
 
 .. math::
@@ -43,17 +44,20 @@ def _softmax(s, rowptr, alpha, beta, g_alpha, g_beta, g_s):
         start, stop = rowptr[i], rowptr[i + 1]
         for h in range(alpha.shape[1]):
             if g_s.shape[0]:
-                sa = sb = 0.0
+                sa = sb = total = 0.0
                 for e in range(start, stop):
                     sa += alpha[e, h] * g_alpha[e, h]
                     sb += beta[e, h] * g_beta[e, h]
+                    total += alpha[e, h]
+                if not total > 0:  # Z was set to 1 (nothing finite, or a NaN): it passes no gradient
+                    sa = sb = 0.0
                 for e in range(start, stop):
                     a, b = alpha[e, h], beta[e, h]
                     g_s[e, h] = a * (g_alpha[e, h] - sa) + 0.5 * (b * g_beta[e, h] - a * sb)
                 continue
             m = -np.inf
             for e in range(start, stop):
-                if s[e, h] > m or s[e, h] != s[e, h]:  # NaN propagates, as in torch.amax
+                if s[e, h] > m or s[e, h] != s[e, h]:  # a NaN maximum, as torch.amax, then m = 0 below
                     m = s[e, h]
             if not (-np.inf < m < np.inf):
                 m = 0.0
@@ -75,8 +79,9 @@ def segment_softmax_csr(logits: torch.Tensor, rowptr: torch.Tensor,
     ``plain(logits)`` computes the same in PyTorch operations (for derivatives that must be differentiable)."""
     from .segment_ops import _check_segments
 
-    if logits.dim() != 2:
-        raise ValueError(f"logits must have shape [E, H], got {list(logits.shape)}")
+    if logits.dim() != 2 or logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"logits must be a float32 or float64 CPU tensor [E, H], got {logits.dtype} "
+                         f"{list(logits.shape)} on {logits.device.type}")
     _check_segments(rowptr, logits.shape[0], rowptr.shape[0] - 1)
     return _Softmax.apply(logits, rowptr, plain)
 
