@@ -85,7 +85,7 @@ def _embedding(r, basis, centers, step, rmax, scale, emb, demb, derivative):
                 emb[k] = demb[k] = 0.0
         return lo, hi
     x = r / rmax
-    xq = x ** (_P - 1)  # DimeNet's envelope and its derivative in x (p = 6)
+    xq = x * x * x * x * x  # x^(p - 1): DimeNet's envelope and its derivative in x (p = 6)
     a, b, c = (_P + 1) * (_P + 2) / 2, _P * (_P + 2), _P * (_P + 1) / 2
     env, denv = 1 - (a - (b - c * x) * x) * xq * x, (-a * _P + (b * (_P + 1) - c * (_P + 2) * x) * x) * xq / rmax
     for k in range(nb):
@@ -123,11 +123,18 @@ def geometry(vec, w1, coef, lmax, basis, centers, step, rmax, scale, parents, va
         n = min(tile, vec.shape[0] - e0)
         _load(vec, no_index, e0, n, vt)
         _directions(vt, n, parents, variables, r, u, mono)
+        vec_grad = backward and out_vec.shape[0] > 0  # (an empty out_vec: no gradient of the vectors wanted)
+        if vec_grad:
+            _load(g_sh, no_index, e0, n, sht)
+        if vec_grad or not backward:  # Y^l = (M^l)^T mu^l or g_mu^l = M^l g_Y^l, block by block (one call site)
+            target, source = (gmono, sht) if backward else (sht, mono)
+            target[:, :n] = 0.0
+            for l in range(lmax + 1):
+                m0, size, dim_l = l * (l + 1) * (l + 2) // 6, (l + 1) * (l + 2) // 2, 2 * l + 1
+                t0, nt, s0, ns, st, ss = (m0, size, l * l, dim_l, nsh, i1) if backward else (
+                    l * l, dim_l, m0, size, i1, nsh)
+                _mac(target, t0, nt, source, s0, ns, coef, m0 * nsh + l * l, st, ss, n)
         if not backward:
-            sht[:, :n] = 0.0
-            for l in range(lmax + 1):  # Y^l = (M^l)^T mu^l, block by block
-                m0 = l * (l + 1) * (l + 2) // 6
-                _mac(sht, l * l, 2 * l + 1, mono, m0, (l + 1) * (l + 2) // 2, coef, m0 * nsh + l * l, i1, nsh, n)
             _store(sht, e0, n, out_sh)
         for e in range(n):  # p = emb W_1 over the basis functions that are not 0, two rows of W_1 per pass
             lo, hi = _embedding(r[e], basis, centers, step, rmax, scale, emb, demb, backward)
@@ -155,14 +162,9 @@ def geometry(vec, w1, coef, lmax, basis, centers, step, rmax, scale, parents, va
                     gb[j] += b * g
                 total += demb[k] * dot_a + (demb[k1] * dot_b if k1 > k else zero)
             grad_r[e] = total
-        if not (backward and out_vec.shape[0]):  # (an empty out_vec: no gradient of the vectors wanted)
+        if not vec_grad:
             continue
-        _load(g_sh, no_index, e0, n, sht)
-        gmono[:, :n] = 0.0
         gu[:, :n] = 0.0
-        for l in range(lmax + 1):  # g_mu^l = M^l g_Y^l
-            m0 = l * (l + 1) * (l + 2) // 6
-            _mac(gmono, m0, (l + 1) * (l + 2) // 2, sht, l * l, 2 * l + 1, coef, m0 * nsh + l * l, nsh, i1, n)
         for j in range(nm - 1, 0, -1):  # mu_j = mu_parent u_variable, backwards
             gj, gp, mp, uv, guv = gmono[j], gmono[parents[j]], mono[parents[j]], u[variables[j]], gu[variables[j]]
             for e in range(n):

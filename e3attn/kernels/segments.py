@@ -38,10 +38,12 @@ __all__ = ["add_rows", "node_pass", "path_features"]
 
 @numba.njit(**_JIT)
 def _scratch(blocks, hidden, dtype_of):
-    """A scratch ``[2l+1, hidden K]`` for the widest block (the per-node contractions run along its rows)."""
-    if blocks.shape[0] == 0:
-        return np.empty((1, 1), dtype_of.dtype)
-    return np.empty((max(1, blocks[:, 2].max()), max(1, hidden * blocks[:, 1].max())), dtype_of.dtype)
+    """A scratch ``[2l+1, hidden K]`` for the widest block (the per-node contractions run along its rows).
+    The largest sizes by a loop: numba compiles ``ndarray.max`` for about a second."""
+    rows = cols = 1
+    for b in range(blocks.shape[0]):
+        rows, cols = max(rows, blocks[b, 2]), max(cols, hidden * blocks[b, 1])
+    return np.empty((rows, cols), dtype_of.dtype)
 
 
 @numba.njit(**_JIT)
