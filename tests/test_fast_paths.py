@@ -92,6 +92,28 @@ def test_factored_product_is_twice_differentiable(float64_default):
     assert torch.autograd.gradgradcheck(fn, (x, sh, hs[0], ls[0]))
 
 
+def test_factored_product_batched_gradients(float64_default):
+    """The fused operators under ``is_grads_batched=True`` (PyTorch loops over the batch) equal the plain product."""
+    tp = SphericalTensorProduct("1x0e + 1x1o", o3.Irreps.spherical_harmonics(1), ["1x0e + 1x1o"])
+    x, sh, hs, ls = _inputs(tp, 4, hidden=2)
+
+    def jacobians():
+        out = tp.forward_factored(x, sh, hs, ls, chunk_size=3)[0]
+        basis = torch.eye(out.numel()).reshape(-1, *out.shape)
+        found = torch.autograd.grad(out, (x, sh, hs[0], ls[0]), basis, is_grads_batched=True, create_graph=True)
+        return found + torch.autograd.grad(sum(g.pow(2).sum() for g in found), (x, sh))
+
+    assert kernels.fused_enabled(x.device, x.dtype)
+    got = jacobians()
+    previous = kernels.set_fused_kernels(False)
+    try:
+        expected = jacobians()
+    finally:
+        kernels.set_fused_kernels(previous)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
 def test_factored_product_bad_arguments():
     tp = SphericalTensorProduct("1x0e", o3.Irreps.spherical_harmonics(1), ["1x0e", "1x1o"])
     x, sh, hs, ls = torch.randn(3, 1), torch.randn(3, 4), [torch.randn(3, 2)] * 2, [torch.randn(2, 1), torch.randn(2, 1)]
@@ -316,6 +338,33 @@ def test_torch_func_transforms(float64_default):
     jac = torch.func.jacfwd(lambda p: layer(f, p, edge_index)[:, 0])(pos)
     assert jac.shape == (6, 6, 3) and torch.isfinite(jac).all()
 
+
+
+def test_batched_gradients_equal_the_plain_formulation(float64_default):
+    """``is_grads_batched=True`` (a Hessian of the energy, a Jacobian of the outputs) batches the gradients that
+    reach the kernels' backward: they take the dispatcher's or the plain route, and agree with the plain layer."""
+    layer = _small_layer()
+    f, pos = _small_inputs(layer, torch.float64, n=6)
+    f, pos = f.requires_grad_(), pos.requires_grad_()
+
+    def hessian_and_jacobians():
+        out = layer(f, pos)
+        (grad,) = torch.autograd.grad(out.pow(2).sum(), pos, create_graph=True)
+        hessian = torch.autograd.grad(grad, pos, torch.eye(18).reshape(18, 6, 3), is_grads_batched=True,
+                                      retain_graph=True)[0]
+        basis = torch.eye(out.numel()).reshape(-1, *out.shape)
+        return (hessian, *torch.autograd.grad(out, (pos, f), basis, is_grads_batched=True))
+
+    assert kernels.segments_enabled(pos.device, pos.dtype)
+    got = hessian_and_jacobians()
+    previous = kernels.set_fused_kernels(False)
+    try:
+        expected = hessian_and_jacobians()
+    finally:
+        kernels.set_fused_kernels(previous)
+    for a, b in zip(got, expected):
+        assert a.abs().max() > 0
+        torch.testing.assert_close(a, b, atol=1e-10 * b.abs().max().item(), rtol=0)
 
 @pytest.mark.parametrize("case, match", [
     ("sh_width", r"sh must have shape \[E, 9\]"),

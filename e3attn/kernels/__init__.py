@@ -109,9 +109,21 @@ def segments_enabled(device: torch.device, dtype: torch.dtype) -> bool:
 def eager_on_cpu(*tensors: torch.Tensor) -> bool:
     """Whether the layer's autograd-function kernels (:mod:`~e3attn.kernels.geometry_ops`,
     :mod:`~e3attn.kernels.softmax_ops`) may take ``tensors``: plain CPU tensors of float32 or float64, in eager
-    mode (no ``torch.compile`` tracing, no dispatch mode). The caller also checks :func:`segments_enabled`."""
-    return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()) and all(
-        type(t) is torch.Tensor and t.device.type == "cpu" and t.dtype in _DTYPES for t in tensors)
+    mode: no ``torch.compile`` tracing, no dispatch mode, no ``torch.func`` transform, none of them batched (as
+    the gradients of ``torch.autograd.grad(..., is_grads_batched=True)`` are). The caller also checks
+    :func:`segments_enabled`."""
+    return _plain_eager(tensors) and all(t.device.type == "cpu" and t.dtype in _DTYPES for t in tensors)
+
+
+def _plain_eager(tensors) -> bool:
+    """Plain eager mode for ``tensors`` (:func:`eager_on_cpu`): where the kernels' NumPy views of the tensors are
+    their data."""
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._are_functorch_transforms_active()):
+        return False
+    functorch = torch._C._functorch
+    return not any(type(t) is not torch.Tensor or functorch.is_batchedtensor(t) or functorch.is_legacy_batchedtensor(t)
+                   for t in tensors)
 
 
 @functools.lru_cache(maxsize=None)

@@ -11,8 +11,9 @@ followed by :meth:`RadialMLP.input_layer() <e3attn.radial.RadialMLP.input_layer>
 formulation), on the numba kernels of :mod:`e3attn.kernels.geometry`: one pass over the edges forward and one
 backward, where the plain formulation runs about 50 PyTorch operations on ``[E, ...]`` tensors. Its first
 derivatives run on the kernels too; a gradient that must itself be differentiable (``create_graph=True``:
-training on forces) is taken of the plain formulation, recomputed from the saved edge vectors, so derivatives of
-every order are those of the plain formulation.
+training on forces), or that is batched (``torch.autograd.grad(..., is_grads_batched=True)``: Hessians,
+Jacobians), is taken of the plain formulation, recomputed from the saved edge vectors, so derivatives of every
+order are those of the plain formulation.
 
 It is a ``torch.autograd.Function`` for plain eager tensors on the CPU (:func:`~e3attn.kernels.eager_on_cpu`); the
 layer uses the plain formulation elsewhere, under ``torch.compile`` included (whose code generator fuses those
@@ -24,7 +25,7 @@ from typing import Callable, Tuple
 
 import torch
 
-from . import cpu, geometry
+from . import _plain_eager, cpu, geometry
 from .ops import _array, _forward_groups
 from .threads import parallel
 
@@ -113,12 +114,14 @@ class _Geometry(torch.autograd.Function):
     def backward(ctx, g_sh, g_pre, g_r):
         vectors, first_layer = ctx.saved_tensors
         need_vectors, need_first = ctx.needs_input_grad[:2]
-        if torch.is_grad_enabled():  # the gradient must be differentiable: that of the plain formulation
+        differentiable = torch.is_grad_enabled()
+        if differentiable or not _plain_eager((g_sh, g_pre, g_r)):  # that of the plain formulation (also batched)
             inputs = [t for t, need in ((vectors, need_vectors), (first_layer, need_first)) if need]
-            outputs = zip(ctx.plain(vectors, first_layer), (g_sh, g_pre, g_r))
+            with torch.enable_grad():
+                outputs = zip(ctx.plain(vectors, first_layer), (g_sh, g_pre, g_r))
             used = [(out, g) for out, g in outputs if out.requires_grad]
             grads = iter(torch.autograd.grad([out for out, _ in used], inputs, [g for _, g in used],
-                                             create_graph=True, allow_unused=True))  # (Y is constant for lmax 0)
+                                             create_graph=differentiable, allow_unused=True))  # (Y: lmax 0)
             g_vec, g_first = (next(grads) if need_vectors else None), (next(grads) if need_first else None)
         else:
             g_vec, g_first = _backward(vectors, first_layer, ctx.constants, g_sh.contiguous(), g_pre.contiguous(),

@@ -27,7 +27,8 @@ tensors (float32 and float64) only: :func:`e3attn.kernels.segments_enabled` says
 
 The layer calls them through :func:`call`: in plain eager mode that runs each operator's implementation and
 autograd directly, as a ``torch.autograd.Function``, without the dispatcher's cost per call (a fraction of a
-millisecond); under ``torch.compile`` (and dispatch modes, tensor subclasses) through the registered operators.
+millisecond); under ``torch.compile`` (and dispatch modes, tensor subclasses, batched gradients) through the
+registered operators.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from typing import Callable, List, Optional, Tuple
 import numpy as np
 import torch
 
-from . import cpu, segments
+from . import _plain_eager, cpu, segments
 from .layout import layout_for, padded_paths
 from .ops import _array, _forward_groups
 from .threads import parallel
@@ -403,6 +404,5 @@ def call(op, *args):
 
 
 def _eager_mode(args) -> bool:
-    """Plain eager mode: no ``torch.compile`` tracing, no dispatch mode, only plain tensors in ``args``."""
-    return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-                or any(type(t) is not torch.Tensor for t in args if isinstance(t, torch.Tensor)))
+    """Plain eager mode (as :func:`~e3attn.kernels.eager_on_cpu` defines it) for the tensors among ``args``."""
+    return _plain_eager([t for t in args if isinstance(t, torch.Tensor)])

@@ -18,8 +18,8 @@ in one pass over the nodes instead of about ten PyTorch operations, and the grad
     \partial_{s_e} = \alpha_e \left(g_{\alpha, e} - \sum_{e' \to i} \alpha_{e'} g_{\alpha, e'}\right)
     + \tfrac{1}{2} \left(\beta_e g_{\beta, e} - \alpha_e \sum_{e' \to i} \beta_{e'} g_{\beta, e'}\right)
 
-in one more. A gradient that must itself be differentiable (``create_graph=True``) is taken of the plain
-formulation, recomputed from the saved logits. A ``torch.autograd.Function`` for plain eager CPU tensors, like
+in one more. A gradient that must itself be differentiable (``create_graph=True``) or that is batched
+(``is_grads_batched=True``) is taken of the plain formulation, recomputed from the saved logits. A ``torch.autograd.Function`` for plain eager CPU tensors, like
 :mod:`e3attn.kernels.geometry_ops` (:func:`~e3attn.kernels.eager_on_cpu` says where).
 """
 from __future__ import annotations
@@ -31,6 +31,7 @@ import numba
 import numpy as np
 import torch
 
+from . import _plain_eager
 from .cpu import _JIT
 
 __all__ = ["segment_softmax_csr"]
@@ -98,8 +99,11 @@ class _Softmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_alpha, g_beta):
         logits, rowptr, alpha, beta = ctx.saved_tensors
-        if torch.is_grad_enabled():  # the gradient must be differentiable: that of the plain formulation
-            (g_s,) = torch.autograd.grad(ctx.plain(logits), logits, (g_alpha, g_beta), create_graph=True)
+        differentiable = torch.is_grad_enabled()
+        if differentiable or not _plain_eager((g_alpha, g_beta)):  # that of the plain formulation (also batched)
+            with torch.enable_grad():
+                outputs = ctx.plain(logits)
+            (g_s,) = torch.autograd.grad(outputs, logits, (g_alpha, g_beta), create_graph=differentiable)
             return g_s, None, None
         g_s = torch.empty_like(logits)
         _softmax(logits.new_empty(0, 1).numpy(), rowptr.numpy(), alpha.numpy(), beta.numpy(),
