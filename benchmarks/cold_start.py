@@ -1,13 +1,17 @@
 r"""Cold and warm start of the layer's kernels: the first force-training step of a new process.
 
-The layer's numba kernels on the CPU (:mod:`e3attn.kernels.segments`: ``node_pass`` and
-``path_features``) are compiled on first use, once per dtype, and cached on disk. For each dtype this script runs two fresh processes that share an
-empty numba cache directory (``NUMBA_CACHE_DIR``, a temporary folder, so the cache of the installed
-package is neither used nor touched):
+The layer's numba kernels on the CPU (:mod:`e3attn.kernels.segments`: ``node_pass`` and ``path_features``;
+:mod:`e3attn.kernels.geometry`; the softmax of :mod:`e3attn.kernels.softmax_ops`) are compiled on first use, once
+per dtype, and cached on disk. For each dtype this script runs three fresh processes that share an empty numba
+cache directory (``NUMBA_CACHE_DIR``, a temporary folder, so the cache of the installed package is neither used
+nor touched):
 
 * ``cold``: the first process compiles the kernels (which serve the forward and every derivative)
   during its first force-training step of a small layer;
-* ``warm``: the second process loads them from the cache.
+* ``warm``: the second process loads them from the cache;
+* ``plain``: a third process runs the same step with the kernels off (``E3ATTN_FUSED_KERNELS=0``): its start-up
+  cost is what the layer pays without them (PyTorch's first calls, and numba's set-up for the radius graph's
+  cell list, which also runs on numba), so ``warm`` minus ``plain`` is the kernels' own share.
 
 Each process reports the time of ``import e3attn``, of its first step and of a second step; the
 start-up cost is the first step minus the second.
@@ -56,10 +60,10 @@ print(json.dumps({"import_s": imported, "first_step_s": times[0], "second_step_s
 """
 
 
-def run_process(dtype: str, cache_dir: str) -> dict:
+def run_process(dtype: str, cache_dir: str, kernels: bool = True) -> dict:
     """One fresh process: its import and step times."""
-    env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir, PYTHONPATH=os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir, E3ATTN_FUSED_KERNELS="1" if kernels else "0",
+               PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
     done = subprocess.run([sys.executable, "-c", CHILD, dtype], env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -73,8 +77,8 @@ def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="e3attn-numba-cache-") as cache_dir:
         for dtype in args.dtypes:
-            for start in ("cold", "warm"):
-                row = dict(run_process(dtype, cache_dir), dtype=dtype, start=start)
+            for start in ("cold", "warm", "plain"):
+                row = dict(run_process(dtype, cache_dir, kernels=start != "plain"), dtype=dtype, start=start)
                 row["startup_s"] = row["first_step_s"] - row["second_step_s"]
                 print(f"{dtype:>8} {start}: import {row['import_s']:.2f} s, first step {row['first_step_s']:.2f} s, "
                       f"second {1e3 * row['second_step_s']:.1f} ms, start-up cost {row['startup_s']:.2f} s", flush=True)
