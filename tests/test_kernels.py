@@ -11,6 +11,7 @@ from e3attn import kernels
 from e3attn.attention import EquivariantAttention
 from e3attn.kernels import ops
 from e3attn.tensor_product import SphericalTensorProduct
+from kernel_switch import plain
 from test_compile import _benchmark
 from test_fast_paths import TP_CASES, _inputs
 
@@ -140,13 +141,7 @@ def test_layer_forces_training_with_fused_kernels_equals_plain(float64_default):
         loss = energy ** 2 + forces.pow(2).sum()
         return torch.autograd.grad(loss, list(layer.parameters()))
 
-    with_kernels = step()
-    previous = kernels.set_fused_kernels(False)
-    try:
-        plain = step()
-    finally:
-        kernels.set_fused_kernels(previous)
-    for a, b in zip(with_kernels, plain):
+    for a, b in zip(step(), plain(step)):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
 
 

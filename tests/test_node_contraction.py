@@ -11,6 +11,7 @@ from e3attn import kernels, radius_graph
 from e3attn.attention import EquivariantAttention
 from e3attn.kernels import segment_ops
 from e3attn.tensor_product import SphericalTensorProduct
+from kernel_switch import plain
 
 pytest.importorskip("numba")
 
@@ -204,14 +205,6 @@ def _layer(case, seed=0):
     return EquivariantAttention(*irreps, max_radius=1.3, num_heads=heads, lmax=lmax, aggregation=aggregation)
 
 
-def _plain(fn):
-    previous = kernels.set_fused_kernels(False)
-    try:
-        return fn()
-    finally:
-        kernels.set_fused_kernels(previous)
-
-
 @pytest.mark.parametrize("case", LAYERS)
 def test_layer_at_the_nodes_equals_the_plain_formulation(case, float64_default):
     """Output, attention and the force-training gradients (second derivatives in the positions)."""
@@ -227,7 +220,7 @@ def test_layer_at_the_nodes_equals_the_plain_formulation(case, float64_default):
         grads = torch.autograd.grad(energy.pow(2) + forces.pow(2).sum() + alpha.sum(), [x, p, *layer.parameters()])
         return (out, alpha, *grads)
 
-    for got, ref in zip(step(), _plain(step)):
+    for got, ref in zip(step(), plain(step)):
         torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-10)
 
 
@@ -239,7 +232,7 @@ def test_layer_at_the_nodes_with_unsorted_edges_isolated_nodes_and_duplicates(fl
     edge_index = radius_graph(pos, 1.3)
     perm = torch.randperm(edge_index.shape[1], generator=torch.Generator().manual_seed(0))
     out, alpha = layer(f, pos, edge_index[:, perm], return_attention=True)
-    ref, ref_alpha = _plain(lambda: layer(f, pos, edge_index, return_attention=True))
+    ref, ref_alpha = plain(lambda: layer(f, pos, edge_index, return_attention=True))
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
     torch.testing.assert_close(alpha, ref_alpha[perm], atol=1e-12, rtol=0)  # in the order the edges were given
     assert torch.equal(out[9], torch.zeros_like(out[9]))
@@ -299,7 +292,7 @@ def test_where_the_layer_contracts_at_the_nodes():
     assert not kernels.segments_enabled(torch.device("cuda"), torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not kernels.segments_enabled(cpu, torch.float32)
-    assert _plain(lambda: kernels.segments_enabled(cpu, torch.float32)) is False
+    assert plain(lambda: kernels.segments_enabled(cpu, torch.float32)) is False
 
 
 def test_outputs_of_unreachable_blocks_and_of_no_nodes_are_zero(float64_default):
