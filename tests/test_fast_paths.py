@@ -335,25 +335,33 @@ def test_torch_func_transforms(float64_default):
 
 
 
-def test_batched_gradients_equal_the_plain_formulation(float64_default):
-    """``is_grads_batched=True`` (a Hessian of the energy, a Jacobian of the outputs) batches the gradients that
-    reach the kernels' backward: they take the dispatcher's or the plain route, and agree with the plain layer."""
+def test_batched_and_forward_mode_derivatives_equal_the_plain_formulation(float64_default):
+    """``is_grads_batched=True`` (a Hessian of the energy, a Jacobian of the outputs) and ``vmap`` over
+    ``autograd.grad`` batch the gradients that reach the kernels' backward: they take the dispatcher's or the plain
+    route; forward-mode AD runs the plain formulation. All agree with the plain layer, derivatives of the batched
+    derivatives included."""
     layer = _small_layer()
     f, pos = _small_inputs(layer, torch.float64, n=6)
     f, pos = f.requires_grad_(), pos.requires_grad_()
 
-    def hessian_and_jacobians():
+    def derivatives():
         out = layer(f, pos)
         (grad,) = torch.autograd.grad(out.pow(2).sum(), pos, create_graph=True)
         hessian = torch.autograd.grad(grad, pos, torch.eye(18).reshape(18, 6, 3), is_grads_batched=True,
-                                      retain_graph=True)[0]
+                                      create_graph=True)[0]
+        (of_hessian,) = torch.autograd.grad(hessian.pow(2).sum(), f, retain_graph=True)
         basis = torch.eye(out.numel()).reshape(-1, *out.shape)
-        return (hessian, *torch.autograd.grad(out, (pos, f), basis, is_grads_batched=True))
+        jacobians = torch.autograd.grad(out, (pos, f), basis, is_grads_batched=True, retain_graph=True)
+        vmapped = torch.func.vmap(lambda v: torch.autograd.grad(out, pos, v, retain_graph=True)[0])(basis)
+        forward = torch.autograd.functional.jacobian(lambda p: layer(f, p), pos, strategy="forward-mode",
+                                                     vectorize=True)
+        return hessian, of_hessian, *jacobians, vmapped, forward
 
     assert kernels.segments_enabled(pos.device, pos.dtype)
-    for a, b in zip(hessian_and_jacobians(), plain(hessian_and_jacobians)):
+    for a, b in zip(derivatives(), plain(derivatives)):
         assert a.abs().max() > 0
         torch.testing.assert_close(a, b, atol=1e-10 * b.abs().max().item(), rtol=0)
+
 
 @pytest.mark.parametrize("case, match", [
     ("sh_width", r"sh must have shape \[E, 9\]"),

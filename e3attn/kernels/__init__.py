@@ -82,14 +82,16 @@ def fused_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``forward_factored`` runs the fused kernels for tensors of ``dtype`` on ``device``.
 
     On the CPU, and on CUDA after :func:`set_cuda_kernels` ``(True)`` (with Triton installed), in float32
-    and float64, neither under autocast nor inside a ``torch.func`` transform, unless switched off with
+    and float64, neither under autocast nor inside a ``torch.func`` transform nor in forward-mode AD
+    (``torch.autograd.forward_ad``: the kernels have no forward derivative), unless switched off with
     :func:`set_fused_kernels`.
     """
     if not _ENABLED or dtype not in _DTYPES or device.type not in ("cpu", "cuda"):
         return False
     if device.type == "cuda" and not (_CUDA_ENABLED and _has_triton()):
         return False
-    return not (torch.is_autocast_enabled(device.type) or torch._C._are_functorch_transforms_active())
+    return not (torch.is_autocast_enabled(device.type) or torch._C._are_functorch_transforms_active()
+                or torch.autograd.forward_ad._current_level >= 0)
 
 
 def segments_enabled(device: torch.device, dtype: torch.dtype) -> bool:

@@ -11,9 +11,9 @@ followed by :meth:`RadialMLP.input_layer() <e3attn.radial.RadialMLP.input_layer>
 formulation), on the numba kernels of :mod:`e3attn.kernels.geometry`: one pass over the edges forward and one
 backward, where the plain formulation runs about 50 PyTorch operations on ``[E, ...]`` tensors. Its first
 derivatives run on the kernels too; a gradient that must itself be differentiable (``create_graph=True``:
-training on forces), or that is batched (``torch.autograd.grad(..., is_grads_batched=True)``: Hessians,
-Jacobians), is taken of the plain formulation, recomputed from the saved edge vectors, so derivatives of every
-order are those of the plain formulation.
+training on forces), that is batched (``torch.autograd.grad(..., is_grads_batched=True)``: Hessians,
+Jacobians) or that is taken inside a ``torch.func`` transform is taken of the plain formulation, recomputed from
+the saved edge vectors, so derivatives of every order are those of the plain formulation.
 
 It is a ``torch.autograd.Function`` for plain eager tensors on the CPU (:func:`~e3attn.kernels.eager_on_cpu`); the
 layer uses the plain formulation elsewhere, under ``torch.compile`` included (whose code generator fuses those

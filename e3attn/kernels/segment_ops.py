@@ -397,9 +397,10 @@ _EAGER = {op: _eager(f"e3attn::{impl.__name__[1:]}", impl, setup, backward) for 
 
 
 def call(op, *args):
-    """``op(*args)`` for one of this module's operators. In plain eager mode (plain tensors, no ``torch.compile``
-    tracing and no dispatch mode active), its implementation and autograd are called directly, without the dispatcher's
-    cost per call (which small graphs feel); otherwise through the dispatcher."""
+    """``op(*args)`` for one of this module's operators. In plain eager mode (plain, unbatched tensors, no
+    ``torch.compile`` tracing, no dispatch mode and no ``torch.func`` transform active), its implementation and
+    autograd are called directly, without the dispatcher's cost per call (which small graphs feel); otherwise
+    through the dispatcher."""
     return _EAGER[op](*args) if _eager_mode(args) else op(*args)
 
 
