@@ -2,10 +2,11 @@ r"""The attention layer against the e3nn guide's formulation: time, peak memory,
 
 Both compute the same layer on the same graph with the same number of weights:
 
-* ``e3attn``: :class:`e3attn.attention.EquivariantAttention` (on the CPU the radial networks' last
-  layers contracted at the nodes, :mod:`e3attn.node_contraction`; on CUDA the key/value tensor product
-  with them folded in, plain or with ``--cuda-kernels`` on the fused kernels of :mod:`e3attn.kernels`);
+* ``e3attn``: :class:`e3attn.attention.EquivariantAttention` (the radial networks' last layers contracted at
+  the nodes, :mod:`e3attn.node_contraction`, on numba kernels on the CPU and, with ``--cuda-kernels``, on
+  Triton kernels on CUDA; without it, on CUDA, the plain formulation);
 * ``plain`` (with ``--plain``): the same layer with its tensor product as plain tensor operations;
+* a peer (with ``--peer oeq``, CUDA): the baseline with its tensor products on OpenEquivariance (:mod:`peers`);
 * ``baseline``: the e3nn guide's formulation (seed document 003), written below from e3nn's
   ``o3.Linear``, ``o3.FullyConnectedTensorProduct`` (``shared_weights=False``, keys and values
   separately), ``nn.FullyConnectedNet([basis, 16, weight_numel])`` per tensor product, the
@@ -44,6 +45,7 @@ Usage::
     python benchmarks/layer.py --quick                  # tiny sizes, a smoke test
     python benchmarks/layer.py --forces --plain         # + force-training step, + e3attn without fused kernels
     python benchmarks/layer.py --device cuda --forces --plain --cuda-kernels  # e3attn on the Triton kernels
+    python benchmarks/layer.py --device cuda --forces --plain --cuda-kernels --peer oeq  # + guide on OpenEquivariance
     python benchmarks/layer.py --busy 1 --threads 2     # e3attn beside a busy process it starts and stops
     OMP_WAIT_POLICY=PASSIVE python benchmarks/layer.py --busy 1 --threads 2  # idle OpenMP threads sleep
 """
@@ -71,6 +73,7 @@ for path in (ROOT, ROOT / "benchmarks"):  # run from a checkout without installi
         sys.path.insert(0, str(path))
 
 from dense_vs_sparse import box_side, cpu_name, memory_method, peak_mib, sync  # noqa: E402
+from peers import PEERS, build_peer  # noqa: E402
 
 from e3attn import kernels  # noqa: E402
 from e3attn.attention import EquivariantAttention  # noqa: E402
@@ -218,8 +221,8 @@ def cloud(n: int, degree: float, gen: torch.Generator, dtype: torch.dtype = torc
     return unit * side, edge_index
 
 
-def build(config: str, n: int, degree: float, device: torch.device, seed: int):
-    """The two models with the same weights, the inputs and the graph of one case."""
+def build(config: str, n: int, degree: float, device: torch.device, seed: int, peer: Optional[str] = None):
+    """The models with the same weights (and the ``peer``, :mod:`peers`), the inputs and the graph of one case."""
     spec = CONFIGS[config]
     gen = torch.Generator().manual_seed(seed + n)
     torch.manual_seed(seed)
@@ -230,7 +233,10 @@ def build(config: str, n: int, degree: float, device: torch.device, seed: int):
     f = torch.randn(n, layer.irreps_input.dim, generator=gen)
     layer, baseline = layer.to(device), baseline.to(device)
     pos, f, edge_index = pos.to(device).requires_grad_(), f.to(device).requires_grad_(), edge_index.to(device)
-    return {"baseline": baseline, "e3attn": layer, "plain": PlainFormulation(layer)}, f, pos, edge_index
+    models = {"baseline": baseline, "e3attn": layer, "plain": PlainFormulation(layer)}
+    if peer:
+        models[peer] = build_peer(peer, baseline, device)
+    return models, f, pos, edge_index
 
 
 def weight_counts(models: Dict[str, torch.nn.Module]) -> Dict[str, int]:
@@ -239,23 +245,26 @@ def weight_counts(models: Dict[str, torch.nn.Module]) -> Dict[str, int]:
 
 
 def max_rel_diff(models: Dict[str, torch.nn.Module], f, pos, edge_index) -> float:
-    """Largest difference of the two outputs relative to the largest output."""
+    """Largest difference of e3attn's output from the baseline's, relative to the largest output."""
     with torch.no_grad():
-        a, b = (models[m](f, pos, edge_index) for m in METHODS)
+        a, b = (models[m](f, pos, edge_index) for m in ("e3attn", "baseline"))
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) if b.numel() else 0.0
 
 
 def run_case(config: str, n: int, args: argparse.Namespace, device: torch.device,
              previous: Optional[dict]) -> List[dict]:
     """Rows of both methods for one (configuration, number of nodes)."""
-    methods = METHODS + (("plain",) if args.plain else ())
-    models, f, pos, edge_index = build(config, n, args.degree, device, args.seed)
+    methods = METHODS + (("plain",) if args.plain else ()) + ((args.peer,) if args.peer else ())
+    models, f, pos, edge_index = build(config, n, args.degree, device, args.seed, args.peer)
     edges = edge_index.shape[1]
     base = {"config": config, "nodes": n, "edges": edges, "mean_degree": edges / n, "weights": weight_counts(models)}
     reason = _too_big(previous, edges, args)
     if reason:
         return [dict(base, method=m, skipped=reason) for m in methods]
     base["max_rel_diff"] = max_rel_diff(models, f, pos, edge_index)
+    if args.peer:
+        base["peer_rel_diff"] = max_rel_diff({"e3attn": models[args.peer], "baseline": models["baseline"]}, f, pos,
+                                             edge_index)
     calls = {m: _calls(models[m], f, pos, edge_index) for m in methods}
     method = memory_method(device, args.memory)
     rows = {m: dict(base, method=m, skipped=None) for m in methods}
@@ -397,7 +406,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--plain", action="store_true",
                    help="also time e3attn with its tensor product as plain tensor operations (no fused kernels)")
     p.add_argument("--cuda-kernels", action="store_true",
-                   help="e3attn on CUDA runs the Triton kernels (e3attn.kernels.set_cuda_kernels; off by default)")
+                   help="e3attn on CUDA runs its Triton kernels (e3attn.kernels.set_cuda_kernels; off by default)")
+    p.add_argument("--peer", choices=PEERS, default=None,
+                   help="also time the guide's layer with its tensor products on a peer's kernels (benchmarks/peers.py)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "layer.json")
     args = p.parse_args(argv)
     kernels.set_cuda_kernels(args.cuda_kernels)
@@ -440,7 +451,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     """Run every case, print the table, write the JSON."""
     args = parse_args(argv)
     device, meta = setup(args)
-    meta.update(dtype="float32", memory_method=memory_method(device, args.memory), cuda_kernels=args.cuda_kernels)
+    meta.update(dtype="float32", memory_method=memory_method(device, args.memory), cuda_kernels=args.cuda_kernels, peer=args.peer)
     if args.busy:
         report = {"meta": meta, "busy": busy_comparison(args, device)}
         write(report, args.out)

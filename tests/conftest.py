@@ -9,6 +9,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from e3attn import kernels  # noqa: E402
 from e3attn.testing import _default_dtype  # noqa: E402
 
 
@@ -24,3 +25,18 @@ def float64_default():
     """Run a test under the default dtype float64, as e3nn's own constants need for float64 references."""
     with _default_dtype(torch.float64):
         yield
+
+
+@pytest.fixture(params=["numba", "triton"])
+def backend(request):
+    """Run a test on each backend of the CPU kernels (:func:`e3attn.kernels.set_cpu_backend`): numba, and the
+    Triton kernels of the GPU in Triton's interpreter (``TRITON_INTERPRET=1`` above)."""
+    if request.param == "triton":
+        pytest.importorskip("triton")
+        if torch.cuda.is_available():
+            pytest.skip("Triton's interpreter is off where CUDA is (tests/test_triton.py runs the kernels there)")
+    previous = kernels.set_cpu_backend(request.param)
+    try:
+        yield request.param
+    finally:
+        kernels.set_cpu_backend(previous)

@@ -2,7 +2,7 @@
 
 On a machine with CUDA they run on the GPU; elsewhere Triton's interpreter runs the same kernels on CPU tensors
 (``TRITON_INTERPRET=1``, set in conftest.py, and the operators routed to them with
-``ops._CPU_KERNELS = "triton"``), so these tests run everywhere.
+``kernels.set_cpu_backend("triton")``), so these tests run everywhere.
 """
 import importlib
 
@@ -23,15 +23,16 @@ gpu = importlib.import_module("e3attn.kernels.gpu")  # interpreted without CUDA 
 
 
 @pytest.fixture
-def device(monkeypatch):
+def device():
     """The device whose tensors the operators send to the Triton kernels."""
     if CUDA:
         previous = kernels.set_cuda_kernels(True)
         yield torch.device("cuda")
         kernels.set_cuda_kernels(previous)
     else:
-        monkeypatch.setattr(ops, "_CPU_KERNELS", "triton")
+        previous = kernels.set_cpu_backend("triton")
         yield torch.device("cpu")
+        kernels.set_cpu_backend(previous)
 
 
 def _on(device, tensors):

@@ -44,16 +44,33 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import sys
 from typing import List, Optional, Sequence
 
 import torch
 
-__all__ = ["eager_on_cpu", "fused_enabled", "fused_factored_product", "segments_enabled", "set_cuda_kernels",
-           "set_fused_kernels"]
+__all__ = ["backend", "eager_on_cpu", "fused_enabled", "fused_factored_product", "segments_enabled",
+           "set_cpu_backend", "set_cuda_kernels", "set_fused_kernels"]
 
 _DTYPES = (torch.float32, torch.float64)
 _ENABLED = os.environ.get("E3ATTN_FUSED_KERNELS", "1") != "0"
 _CUDA_ENABLED = os.environ.get("E3ATTN_CUDA_KERNELS", "0") == "1"
+BACKENDS = ("numba", "triton")
+
+
+def _backend_from_environment() -> str:
+    """``E3ATTN_KERNEL_BACKEND``: the backend of CPU tensors, ``numba`` (the default) or ``triton`` (Triton's
+    interpreter, switched on here where there is no GPU and Triton is not imported yet)."""
+    value = os.environ.get("E3ATTN_KERNEL_BACKEND", "").strip().lower() or "numba"
+    if value not in BACKENDS:
+        raise ValueError(f"E3ATTN_KERNEL_BACKEND must be one of {', '.join(BACKENDS)}, got "
+                         f"{os.environ['E3ATTN_KERNEL_BACKEND']!r}")
+    if value == "triton" and "triton" not in sys.modules and not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # read by Triton when it is imported
+    return value
+
+
+_CPU_BACKEND = _backend_from_environment()
 
 
 def _switch(name: str, enabled: bool) -> bool:
@@ -78,6 +95,28 @@ def set_cuda_kernels(enabled: bool) -> bool:
     return _switch("_CUDA_ENABLED", enabled)
 
 
+def set_cpu_backend(name: str) -> str:
+    """Run the kernels of CPU tensors on ``"numba"`` (the default) or on ``"triton"``: the Triton kernels of the
+    GPU in Triton's interpreter, slowly, to test them without a GPU (``TRITON_INTERPRET=1`` must have been set
+    before Triton was imported; ``E3ATTN_KERNEL_BACKEND=triton`` sets both). Returns the previous setting."""
+    global _CPU_BACKEND
+    if name not in BACKENDS:
+        raise ValueError(f"name must be one of {', '.join(BACKENDS)}, got {name!r}")
+    previous, _CPU_BACKEND = _CPU_BACKEND, name
+    return previous
+
+
+def backend(device: torch.device) -> str:
+    """The kernels that run tensors on ``device``: ``"triton"`` on CUDA, and on the CPU ``"numba"`` or, after
+    :func:`set_cpu_backend` ``("triton")`` (or ``E3ATTN_KERNEL_BACKEND=triton``), ``"triton"``. The one
+    place that decides; :func:`fused_enabled` and :func:`segments_enabled` say whether kernels run at all."""
+    if device.type == "cpu":
+        return _CPU_BACKEND
+    if device.type != "cuda":
+        raise NotImplementedError(f"no e3attn kernel for device {device.type!r}")
+    return "triton"
+
+
 def fused_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``forward_factored`` runs the fused kernels for tensors of ``dtype`` on ``device``.
 
@@ -88,7 +127,9 @@ def fused_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     """
     if not _ENABLED or dtype not in _DTYPES or device.type not in ("cpu", "cuda"):
         return False
-    if device.type == "cuda" and not (_CUDA_ENABLED and _has_triton()):
+    if (device.type == "cuda" or _CPU_BACKEND == "triton") and not _has_triton():
+        return False
+    if device.type == "cuda" and not _CUDA_ENABLED:
         return False
     return not (torch.is_autocast_enabled(device.type) or torch._C._are_functorch_transforms_active()
                 or torch.autograd.forward_ad._current_level >= 0)
@@ -96,16 +137,12 @@ def fused_enabled(device: torch.device, dtype: torch.dtype) -> bool:
 
 def segments_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether :class:`~e3attn.attention.EquivariantAttention` contracts its radial weights at the nodes
-    (:class:`~e3attn.node_contraction.NodeContraction`, on the kernels of :mod:`e3attn.kernels.segment_ops`).
-
-    Where the fused kernels run on the CPU (:func:`fused_enabled`) on numba; elsewhere the layer computes
-    keys and values per edge with :meth:`~e3attn.tensor_product.SphericalTensorProduct.forward_factored`.
+    (:class:`~e3attn.node_contraction.NodeContraction`, on the kernels of :mod:`e3attn.kernels.segment_ops`):
+    wherever the kernels run (:func:`fused_enabled`), on numba or Triton (:func:`backend`). Elsewhere the layer
+    computes keys and values per edge with
+    :meth:`~e3attn.tensor_product.SphericalTensorProduct.forward_factored`.
     """
-    if device.type != "cpu" or not fused_enabled(device, dtype):
-        return False
-    from . import ops
-
-    return ops._CPU_KERNELS == "numba"
+    return fused_enabled(device, dtype)
 
 
 def eager_on_cpu(*tensors: torch.Tensor) -> bool:
@@ -113,8 +150,10 @@ def eager_on_cpu(*tensors: torch.Tensor) -> bool:
     :mod:`~e3attn.kernels.softmax_ops`) may take ``tensors``: plain CPU tensors of float32 or float64, in eager
     mode: no ``torch.compile`` tracing, no dispatch mode, no ``torch.func`` transform, none of them batched (as
     the gradients of ``torch.autograd.grad(..., is_grads_batched=True)`` are). The caller also checks
-    :func:`segments_enabled`."""
-    return _plain_eager(tensors) and all(t.device.type == "cpu" and t.dtype in _DTYPES for t in tensors)
+    :func:`segments_enabled`; with the Triton backend (:func:`set_cpu_backend`) the layer takes the
+    plain formulation for them, as on a GPU."""
+    return (_CPU_BACKEND == "numba" and _plain_eager(tensors)
+            and all(t.device.type == "cpu" and t.dtype in _DTYPES for t in tensors))
 
 
 def _plain_eager(tensors) -> bool:

@@ -132,17 +132,11 @@ def _tile(tile: int, layout, dtype: torch.dtype) -> int:
     return 1 << max(6, min(7, fit.bit_length() - 1))
 
 
-# which kernels run CPU tensors: "numba", or "triton" (the Triton kernels under ``TRITON_INTERPRET=1``, for tests)
-_CPU_KERNELS = "numba"
-
-
 def _on_numba(sh: torch.Tensor) -> bool:
     """Whether the numba kernels (True) or the Triton kernels (False) run tensors on the device of ``sh``."""
-    if sh.device.type == "cpu":
-        return _CPU_KERNELS == "numba"
-    if sh.device.type != "cuda":
-        raise NotImplementedError(f"no fused tensor product kernel for device {sh.device.type!r}")
-    return False
+    from . import backend
+
+    return backend(sh.device) == "numba"
 
 
 def _triton_arguments(spec: str, x, index, sh, hidden, linear, hidden_sizes: List[int]):

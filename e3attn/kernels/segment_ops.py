@@ -38,7 +38,7 @@ from typing import Callable, List, Optional, Tuple
 import numpy as np
 import torch
 
-from . import _plain_eager, cpu, segments
+from . import _plain_eager, backend, cpu, segments
 from .layout import layout_for, padded_paths
 from .ops import _array, _forward_groups
 from .threads import parallel
@@ -53,48 +53,54 @@ def _node_groups(rowptr: torch.Tensor) -> int:
     return max(1, min(rowptr.shape[0] - 1, 4 * torch.get_num_threads()))
 
 
-def _check_segments(rowptr: torch.Tensor, num_edges: int, num_nodes: int) -> np.ndarray:
-    """``rowptr`` as an array, after checking what the kernels rely on (they index without bounds checks)."""
-    if rowptr.dim() != 1 or rowptr.dtype != torch.int64 or rowptr.device.type != "cpu" or rowptr.shape[0] != num_nodes + 1:
-        raise ValueError(f"rowptr must be a 1-d int64 CPU tensor [{num_nodes + 1}] (one more than the nodes), got "
-                         f"{rowptr.dtype} {list(rowptr.shape)}")
-    array = _array(rowptr)
-    if array[0] != 0 or array[-1] != num_edges or np.any(np.diff(array) < 0):
-        raise ValueError(f"rowptr must rise from 0 to the number of edges ({num_edges})")
-    return array
+def _check_segments(rowptr: torch.Tensor, num_edges: int, num_nodes: int, device: torch.device) -> None:
+    """Check what the kernels rely on in ``rowptr`` (they index without bounds checks): on the CPU its values too;
+    on a GPU its shape, dtype and device only (reading its values would wait for the device: the layer builds it)."""
+    if (rowptr.dim() != 1 or rowptr.dtype != torch.int64 or rowptr.device != device
+            or rowptr.shape[0] != num_nodes + 1):
+        raise ValueError(f"rowptr must be a 1-d int64 tensor [{num_nodes + 1}] (one more than the nodes) on "
+                         f"{device}, got {rowptr.dtype} {list(rowptr.shape)} on {rowptr.device}")
+    if device.type == "cpu":
+        array = _array(rowptr)
+        if array[0] != 0 or array[-1] != num_edges or np.any(np.diff(array) < 0):
+            raise ValueError(f"rowptr must rise from 0 to the number of edges ({num_edges})")
 
 
-def _check(name: str, t: torch.Tensor, shape: Tuple[int, ...]) -> np.ndarray:
+def _check(name: str, t: torch.Tensor, shape: Tuple[int, ...], device: torch.device) -> None:
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-    return _array(t)
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
 
 
 def _node_arguments(edge_rows: Optional[torch.Tensor], y: Optional[torch.Tensor], z: Optional[torch.Tensor],
                     lt: Optional[torch.Tensor], blocks: torch.Tensor, rowptr: torch.Tensor, dims: List[int]):
-    """The arrays of a node kernel (empty for None), checked against ``dims = [heads, hidden, paths, z width,
-    L size]``: ``a [E, heads * hidden]`` (flattened), ``y [E, paths]``, ``z [N, z width]``, ``lt [L size]``."""
+    """Check the arguments of a node kernel against ``dims = [heads, hidden, paths, z width, L size]``:
+    ``a [E, heads * hidden]`` (flattened), ``y [E, paths]``, ``z [N, z width]``, ``lt [L size]`` (None ones
+    skipped), ``blocks`` and ``rowptr``; the block table as Python integers."""
     heads, hidden, paths, zwidth, lsize = dims
     nodes = rowptr.shape[0] - 1
     num = next((t.shape[0] for t in (edge_rows, y) if t is not None), 0)
-    dtype = _common_dtype(**{"a": edge_rows, "y": y, "z": z, "lt": lt})
-    arrays = []
+    _common_dtype(**{"a": edge_rows, "y": y, "z": z, "lt": lt})
+    device = next(t for t in (edge_rows, y, z, lt) if t is not None).device
     for name, t, shape in (("a", edge_rows, (num, heads * hidden)), ("y", y, (num, paths)), ("z", z, (nodes, zwidth)),
                            ("lt", lt, (lsize,))):
-        array = _check(name, t, shape) if t is not None else np.empty((0,) + shape[1:], _NUMPY[dtype])
-        arrays.append(array.reshape(-1) if name == "a" else array)
-    return arrays, _check_blocks(blocks, dims), _check_segments(rowptr, num, nodes)
+        if t is not None:
+            _check(name, t, shape, device)
+    _check_segments(rowptr, num, nodes, device)
+    return _check_blocks(blocks, dims)
 
 
-def _check_blocks(blocks: torch.Tensor, dims: List[int]) -> np.ndarray:
-    """The block table as an array, after checking (in Python integers) that it stays inside ``dims``."""
+def _check_blocks(blocks: torch.Tensor, dims: List[int]) -> List[List[int]]:
+    """The block table as Python integers, after checking that it stays inside ``dims``."""
     heads, hidden, paths, zwidth, lsize = dims
-    if blocks.dtype != torch.int64 or blocks.dim() != 2 or blocks.shape[1] != 6:
-        raise ValueError(f"blocks must be an int64 tensor [B, 6], got {blocks.dtype} {list(blocks.shape)}")
+    if blocks.dtype != torch.int64 or blocks.dim() != 2 or blocks.shape[1] != 6 or blocks.device.type != "cpu":
+        raise ValueError(f"blocks must be an int64 CPU tensor [B, 6], got {blocks.dtype} {list(blocks.shape)} on "
+                         f"{blocks.device}")
     if heads < 1 or min(dims) < 0:
         raise ValueError(f"dims must be [heads >= 1, hidden, paths, z width, L size] >= 0, got {list(dims)}")
-    table = _array(blocks)
-    for poff, k, dim_l, width, loff, zoff in table.tolist():
+    table = blocks.tolist()
+    for poff, k, dim_l, width, loff, zoff in table:
         if min(poff, k, dim_l, width, loff, zoff) < 0 or poff + k * dim_l > paths or (
                 loff + heads * width * hidden * k > lsize or zoff + heads * width * dim_l > zwidth):
             raise ValueError(f"blocks does not fit dims {list(dims)} (paths, z width, L size): "
@@ -120,16 +126,25 @@ def _node_pass(y, a, z, lt, blocks, rowptr, dims, needs) -> Tuple[torch.Tensor, 
     pass over the nodes: with :math:`Q_i = E(z_i, L)`, :math:`t_e = y_e Q_i^T` ``[E, heads * hidden]`` and
     :math:`r_e = a_e Q_i` ``[E, paths]``; with :math:`U_i = \sum_{e \to i} a_e^T y_e`, :math:`R(U_i, L)`
     ``[N, z width]`` and :math:`\sum_i X(U_i, z_i)` ``[L size]`` (the gradient in :math:`L` of
-    :math:`\sum_i \langle E(z_i, L), U_i \rangle`; summed per fixed group of nodes, in order)."""
-    (a_, y_, z_, lt_), table, ptr = _node_arguments(a, y, z, lt, blocks, rowptr, dims)
+    :math:`\sum_i \langle E(z_i, L), U_i \rangle`; summed per fixed group of nodes, in order). On the backend
+    of the tensors' device (:func:`e3attn.kernels.backend`)."""
+    table = _node_arguments(a, y, z, lt, blocks, rowptr, dims)
+    ref = next(t for t in (y, a, z) if t is not None)
+    if backend(ref.device) == "triton":
+        from . import segments_triton  # imports triton: only where it runs
+
+        return segments_triton.node_pass(y, a, z, lt, table, rowptr, dims, needs)
+    a_, y_, z_, lt_ = (_array(t) if t is not None else np.empty((0,) + shape, _NUMPY[ref.dtype])
+                       for t, shape in ((a, ()), (y, (dims[2],)), (z, (dims[3],)), (lt, ())))
+    a_ = a_.reshape(-1)
     need_t, need_r, need_o, need_g = needs
-    num, ref = max(y_.shape[0], a_.shape[0] // max(1, dims[0] * dims[1])), next(t for t in (y, a, z) if t is not None)
+    num = max(y_.shape[0], a_.shape[0] // max(1, dims[0] * dims[1]))
     outs = (ref.new_empty(num if need_t else 0, dims[0] * dims[1]), ref.new_empty(num if need_r else 0, dims[2]),
             ref.new_empty(rowptr.shape[0] - 1 if need_o else 0, dims[3]),
             ref.new_empty(cpu.GROUPS if need_g else 0, dims[4]))
     arrays = (outs[0].view(-1).numpy(), outs[1].numpy(), outs[2].numpy(), outs[3].numpy())
-    groups = cpu.GROUPS if need_g else _node_groups(rowptr)
-    parallel(lambda g: segments.node_pass(y_, a_, z_, lt_, table, dims[0], dims[1], ptr, g, groups, *arrays), groups,
+    groups, ptr, table_ = cpu.GROUPS if need_g else _node_groups(rowptr), _array(rowptr), _array(blocks)
+    parallel(lambda g: segments.node_pass(y_, a_, z_, lt_, table_, dims[0], dims[1], ptr, g, groups, *arrays), groups,
              sum(needs) * num * dims[0] * dims[1] * dims[2])
     return outs[0], outs[1], outs[2], outs[3].sum(0) if need_g else outs[3].new_empty(0)
 
@@ -178,17 +193,25 @@ def component_major_paths(spec: str) -> Tuple[np.ndarray, int]:
     return starts[g] + (local % dim_l) * kdim + local // dim_l, padded_paths(layout.num_paths)
 
 
-def _path_arguments(spec: str, x: torch.Tensor, index: torch.Tensor, sh: torch.Tensor):
-    """The data as arrays and the path structure (component-major), after the checks the kernels rely on."""
+def _path_arguments(spec: str, x: torch.Tensor, index: torch.Tensor, sh: torch.Tensor) -> bool:
+    """Check what the kernels rely on (on a GPU, ``index``'s values are not read: the layer builds it); whether the
+    Triton backend runs them (:func:`e3attn.kernels.backend`)."""
     layout = layout_for(spec)
     if x.dim() != 2 or x.shape[1] <= int(layout.path_x.max(initial=-1)):
         raise ValueError(f"x has the wrong shape for this product: {list(x.shape)}")
     if sh.dim() != 2 or sh.shape[1] <= int(layout.path_y.max(initial=-1)):
         raise ValueError(f"sh has the wrong shape for this product: {list(sh.shape)}")
-    _check("index", index, (sh.shape[0],))
-    if index.shape[0] and (int(index.min()) < 0 or int(index.max()) >= x.shape[0]):
+    _check("index", index, (sh.shape[0],), sh.device)
+    _check("x", x, tuple(x.shape), sh.device)
+    if sh.device.type == "cpu" and index.shape[0] and (int(index.min()) < 0 or int(index.max()) >= x.shape[0]):
         raise IndexError(f"index must be in [0, {x.shape[0]}) (the rows of x)")
     _common_dtype(x=x, sh=sh)
+    return backend(sh.device) == "triton"
+
+
+def _path_structure(spec: str, x: torch.Tensor, index: torch.Tensor, sh: torch.Tensor):
+    """The data as arrays and the path structure (component-major) for the numba kernels."""
+    layout = layout_for(spec)
     data = (_array(x), _array(index), _array(sh))
     order, paths = component_major_paths(spec)
     structure = (layout.path_x, layout.path_y, order[layout.path_p], layout.path_c.astype(data[0].dtype))
@@ -203,7 +226,11 @@ def _path_work(x: torch.Tensor, sh: torch.Tensor, structure: tuple, paths: int) 
 
 def _path_features(spec: str, x: torch.Tensor, index: torch.Tensor, sh: torch.Tensor) -> torch.Tensor:
     """:math:`P(x_{\\mathrm{index}}, Y)` ``[E, paths]`` of the product named by ``spec``."""
-    data, structure, paths = _path_arguments(spec, x, index, sh)
+    if _path_arguments(spec, x, index, sh):
+        from . import segments_triton  # imports triton: only where it runs
+
+        return segments_triton.path_features(spec, x, index, sh, padded_paths(layout_for(spec).num_paths))
+    data, structure, paths = _path_structure(spec, x, index, sh)
     out, tile = sh.new_empty(sh.shape[0], paths), _TILE
     groups = _forward_groups(sh.shape[0], tile)
     empty = np.empty((0, paths), data[0].dtype)
@@ -219,9 +246,14 @@ path_features = torch.library.custom_op("e3attn::path_features", _path_features,
 def _path_features_backward(spec: str, x: torch.Tensor, index: torch.Tensor, sh: torch.Tensor, grad: torch.Tensor,
                            needs: List[bool]) -> Tuple[torch.Tensor, torch.Tensor]:
     """The gradients of ``x`` ``[N, in]`` and ``sh`` ``[E, sh]`` flagged in ``needs`` (others empty)."""
-    data, structure, paths = _path_arguments(spec, x, index, sh)
-    _check("grad", grad, (sh.shape[0], paths))
+    on_triton = _path_arguments(spec, x, index, sh)
+    _check("grad", grad, (sh.shape[0], padded_paths(layout_for(spec).num_paths)), sh.device)
     _common_dtype(x=x, grad=grad)
+    if on_triton:
+        from . import segments_triton  # imports triton: only where it runs
+
+        return segments_triton.path_features_backward(spec, x, index, sh, grad, needs)
+    data, structure, paths = _path_structure(spec, x, index, sh)
     gx_edges, gsh = x.new_empty(sh.shape[0], x.shape[1]), sh.new_empty(sh.shape)
     tile = _TILE
     groups = _forward_groups(sh.shape[0], tile)
