@@ -1,4 +1,5 @@
 r"""e3attn: SE(3)/O(3)-equivariant graph attention on e3nn and PyTorch."""
+from . import kernels  # first: E3ATTN_KERNEL_BACKEND=triton sets TRITON_INTERPRET before e3nn imports Triton
 from .attention import EquivariantAttention
 from .graph import complete_graph, radius_graph, radius_graph_pbc
 from .heads import MultiHeadDot, head_index, scale_heads, split_heads

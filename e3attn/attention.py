@@ -74,10 +74,11 @@ class EquivariantAttention(torch.nn.Module):
     derivatives (forces) are finite but second derivatives in the positions
     (training on forces, Hessians) are NaN, as in the e3nn guide.
 
-    On the CPU (float32 and float64) the layer computes exactly this without
-    forming :math:`k_e`, :math:`v_e` or their weights on any edge: the radial
-    networks' last layers are contracted at the nodes
-    (:class:`~e3attn.node_contraction.NodeContraction`), except under autocast,
+    On the CPU (float32 and float64), and on CUDA after
+    :func:`e3attn.kernels.set_cuda_kernels` ``(True)`` (Triton kernels), the
+    layer computes exactly this without forming :math:`k_e`, :math:`v_e` or
+    their weights on any edge: the radial networks' last layers are contracted
+    at the nodes (:class:`~e3attn.node_contraction.NodeContraction`), except under autocast,
     inside ``torch.func`` transforms and after
     :func:`e3attn.kernels.set_fused_kernels` ``(False)``
     (:func:`e3attn.kernels.segments_enabled`); :meth:`dense` always forms them.
@@ -284,7 +285,8 @@ class EquivariantAttention(torch.nn.Module):
         """The output and the attention (in the order of the edges) by :class:`~e3attn.node_contraction.NodeContraction`,
         on the edges sorted by destination."""
         order = None
-        if torch.compiler.is_compiling() or not bool((dst[1:] >= dst[:-1]).all()):
+        # on a GPU, sorting costs less than reading back whether the edges are sorted (a synchronisation)
+        if torch.compiler.is_compiling() or dst.device.type != "cpu" or not bool((dst[1:] >= dst[:-1]).all()):
             order = _destination_order(dst)
             src, dst, edge_vec = src.index_select(0, order), dst.index_select(0, order), _rows(edge_vec, order)
         rowptr = torch.searchsorted(dst.contiguous(), torch.arange(num_nodes + 1, device=dst.device))

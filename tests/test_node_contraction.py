@@ -292,10 +292,23 @@ def test_where_the_layer_contracts_at_the_nodes():
     cpu = torch.device("cpu")
     assert kernels.segments_enabled(cpu, torch.float32) and kernels.segments_enabled(cpu, torch.float64)
     assert not kernels.segments_enabled(cpu, torch.bfloat16)
-    assert not kernels.segments_enabled(torch.device("cuda"), torch.float32)
+    assert not kernels.segments_enabled(torch.device("cuda"), torch.float32)  # opt-in on CUDA
+    assert kernels.backend(cpu) == "numba" and kernels.backend(torch.device("cuda")) == "triton"
+    with pytest.raises(NotImplementedError, match="no e3attn kernel for device 'meta'"):
+        kernels.backend(torch.device("meta"))
+    with pytest.raises(ValueError, match="name must be one of numba, triton"):
+        kernels.set_cpu_backend("cuda")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not kernels.segments_enabled(cpu, torch.float32)
     assert plain(lambda: kernels.segments_enabled(cpu, torch.float32)) is False
+
+
+def test_block_tables_stay_on_the_cpu_when_the_layer_moves():
+    """The kernels read the block tables as Python integers (no copy from a GPU per call): moving the layer to
+    another device (here ``meta``, as ``.to("cuda")`` would) moves its index buffers, not the tables."""
+    layer = _layer(LAYERS[1]).to("meta")
+    assert layer.nodes._key_columns.device.type == "meta"
+    assert layer.nodes._key_blocks.device.type == "cpu" and layer.nodes._value_blocks.device.type == "cpu"
 
 
 def test_outputs_of_unreachable_blocks_and_of_no_nodes_are_zero(float64_default, backend):

@@ -5,6 +5,10 @@ On a machine with CUDA they run on the GPU; elsewhere Triton's interpreter runs 
 ``kernels.set_cpu_backend("triton")``), so these tests run everywhere.
 """
 import importlib
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -163,3 +167,43 @@ def test_layer_force_step_on_cuda_equals_cpu(float64_default):
     for a, b, c in zip(on_kernels, step("cuda"), step("cpu")):  # Triton, plain on CUDA, numba
         torch.testing.assert_close(a, c, atol=1e-10, rtol=1e-10)
         torch.testing.assert_close(b, c, atol=1e-10, rtol=1e-10)
+
+
+def test_layer_float32_on_the_triton_node_kernels_is_accurate(device):
+    """The node contraction in float32 (IEEE products, no TF32) against float64, to single-precision accuracy."""
+    torch.manual_seed(0)
+    layer = EquivariantAttention("4x0e + 2x1o", "3x0e + 1x1o", "3x0e + 1x1o", "2x0e + 2x1o", max_radius=1.5,
+                                 num_heads=1).double()
+    pos, f = torch.randn(30, 3, dtype=torch.float64), torch.randn(30, 10, dtype=torch.float64)
+    ref = layer(f, pos)
+    out = layer.float().to(device)(f.float().to(device), pos.float().to(device)).cpu().double()
+    torch.testing.assert_close(out, ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-5)
+
+
+_SUBPROCESS = textwrap.dedent("""
+    import sys, torch, e3attn
+    from e3attn import kernels
+    layer = e3attn.EquivariantAttention("4x0e + 1x1o", "2x0e", "2x0e", "2x0e + 1x1o", max_radius=1.5).double()
+    pos, f = torch.randn(12, 3, dtype=torch.float64), torch.randn(12, 7, dtype=torch.float64)
+    out = layer(f, pos)
+    kernels.set_fused_kernels(False)
+    print(kernels.backend(torch.device("cpu")), "e3attn.kernels.segments_triton" in sys.modules,
+          float((out - layer(f, pos)).abs().max()))
+""")
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | env
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=600)
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter is for machines without a GPU")
+def test_kernel_backend_environment_variable():
+    """``E3ATTN_KERNEL_BACKEND=triton`` runs the layer's node kernels on Triton (interpreted) on CPU tensors, equal to
+    the plain formulation; an unknown value is refused, naming the variable."""
+    done = _python(_SUBPROCESS, E3ATTN_KERNEL_BACKEND="Triton ")
+    assert done.returncode == 0, done.stderr
+    name, imported, diff = done.stdout.split()
+    assert name == "triton" and imported == "True" and float(diff) < 1e-12
+    refused = _python("import e3attn", E3ATTN_KERNEL_BACKEND="cuda")
+    assert refused.returncode != 0 and "E3ATTN_KERNEL_BACKEND must be one of numba, triton, got 'cuda'" in refused.stderr

@@ -1,32 +1,36 @@
 r"""Compiled kernels: the attention contracted at the nodes, and the fused tensor product with folded radial weights.
 
-On the CPU, :class:`~e3attn.attention.EquivariantAttention` contracts its radial weights at the nodes
-(:class:`~e3attn.node_contraction.NodeContraction`) and never forms keys, values or weights per edge:
+:class:`~e3attn.attention.EquivariantAttention` contracts its radial weights at the nodes
+(:class:`~e3attn.node_contraction.NodeContraction`) and never forms keys, values or weights per edge. One
+formulation, two backends, chosen by :func:`backend` for the device of the tensors:
 
-* :mod:`e3attn.kernels.segments`: a numba kernel over the nodes (``node_pass``) and one for the
-  path features, compiled on first use (once per dtype) and cached on disk;
-* :mod:`e3attn.kernels.segment_ops`: their custom operators, each one's gradients computed by the other, so
-  every order of derivative (forces and their training) runs on them;
-* :mod:`e3attn.kernels.geometry_ops` and :mod:`e3attn.kernels.softmax_ops`: the edges' harmonics, radial first
-  layer and lengths, and the attention's softmax over each node's edges, one numba pass per direction each
-  (``torch.autograd.Function`` s for plain eager tensors, :func:`eager_on_cpu`);
-* :mod:`e3attn.kernels.threads`: the threads that run them (PyTorch's own OpenMP threads where possible).
+* :mod:`e3attn.kernels.segment_ops`: the custom operators, each one's gradients computed by the other, so every
+  order of derivative (forces and their training) runs on them; they dispatch to
+* :mod:`e3attn.kernels.segments` (numba, CPU tensors): a kernel over the nodes (``node_pass``) and one for the
+  path features, compiled on first use (once per dtype) and cached on disk; or
+* :mod:`e3attn.kernels.segments_triton` (Triton, CUDA tensors; CPU tensors in Triton's interpreter after
+  :func:`set_cpu_backend` ``("triton")`` or ``E3ATTN_KERNEL_BACKEND=triton``);
+* :mod:`e3attn.kernels.geometry_ops` and :mod:`e3attn.kernels.softmax_ops`: on the CPU (numba) the edges'
+  harmonics, radial first layer and lengths, and the attention's softmax over each node's edges, one pass per
+  direction each (``torch.autograd.Function`` s for plain eager tensors, :func:`eager_on_cpu`);
+* :mod:`e3attn.kernels.threads`: the threads that run the numba kernels (PyTorch's own OpenMP threads where
+  possible).
 
 Elsewhere, :meth:`SphericalTensorProduct.forward_factored <e3attn.tensor_product.SphericalTensorProduct.forward_factored>`
-forms keys and values per edge in one compiled pass over the edges per direction, forces included (the second
-derivative reuses the same kernels through the multilinearity of the product, see :mod:`e3attn.kernels.ops`):
+forms keys and values per edge (the layer's :meth:`~e3attn.attention.EquivariantAttention.dense` form) in one
+compiled pass over the edges per direction, forces included (the second derivative reuses the same kernels through
+the multilinearity of the product, see :mod:`e3attn.kernels.ops`):
 
 * :mod:`e3attn.kernels.layout`: the product's structure as flat arrays;
 * :mod:`e3attn.kernels.cpu`: numba kernels (CPU, float32 and float64), compiled on first use (once
   per dtype, about 20 s) and cached on disk;
-* :mod:`e3attn.kernels.gpu`: Triton kernels (CUDA, float32 and float64), compiled by Triton on first
-  use; opt-in with :func:`set_cuda_kernels` while their backward is slower than the plain formulation's;
+* :mod:`e3attn.kernels.gpu`: Triton kernels (CUDA, float32 and float64), compiled by Triton on first use;
 * :mod:`e3attn.kernels.ops`: the custom operators ``e3attn::fused_product``,
   ``e3attn::fused_product_backward`` and ``e3attn::fused_product_backward_backward``.
 
-:meth:`~e3attn.tensor_product.SphericalTensorProduct.forward_factored` runs them wherever they are
-enabled (CPU tensors, and CUDA tensors after :func:`set_cuda_kernels`, in float32 and float64, outside
-autocast and ``torch.func`` transforms); :func:`fused_enabled` is the one place that decides, and
+The kernels run CPU tensors, and CUDA tensors after :func:`set_cuda_kernels` (opt-in while the GPU benchmark
+has not shown them faster than the plain formulation in every case), in float32 and float64, outside autocast,
+``torch.func`` transforms and forward-mode AD; :func:`fused_enabled` is the one place that decides, and
 :func:`segments_enabled` says where the layer contracts at the nodes. Everything else runs the plain
 formulation, which :func:`set_fused_kernels` ``(False)`` (or the environment variable
 ``E3ATTN_FUSED_KERNELS=0``) selects everywhere, e.g. to compare the two.
@@ -89,9 +93,10 @@ def set_fused_kernels(enabled: bool) -> bool:
 
 
 def set_cuda_kernels(enabled: bool) -> bool:
-    """Run CUDA tensors on the Triton kernels (opt-in; also ``E3ATTN_CUDA_KERNELS=1``), or on the plain
-    formulation (the default, faster for now in backward passes and force training: see
-    :doc:`/guide/performance`). Returns the previous setting."""
+    """Run CUDA tensors on the Triton kernels (opt-in; also ``E3ATTN_CUDA_KERNELS=1``): the layer's node
+    contraction (:mod:`e3attn.kernels.segments_triton`) and the fused product; or on the plain formulation (the
+    default until the GPU benchmark shows the kernels faster everywhere: see :doc:`/guide/performance`). Returns
+    the previous setting."""
     return _switch("_CUDA_ENABLED", enabled)
 
 

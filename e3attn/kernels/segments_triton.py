@@ -25,6 +25,7 @@ without a GPU.
 """
 from __future__ import annotations
 
+import os
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -102,8 +103,14 @@ def _block(n: int, least: int, most: int) -> int:
     return max(least, min(most, triton.next_power_of_2(max(n, 1))))
 
 
+def _interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1`` when it was imported)."""
+    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4
+    return bool(knobs.runtime.interpret) if knobs is not None else os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _check_interpretable(t: torch.Tensor) -> None:
-    if t.device.type == "cpu" and not triton.knobs.runtime.interpret:
+    if t.device.type == "cpu" and not _interpreting():
         raise RuntimeError("the Triton kernels run CPU tensors only in Triton's interpreter: set TRITON_INTERPRET=1 "
                            "before importing e3attn (E3ATTN_KERNEL_BACKEND=triton does so where there is no GPU)")
 

@@ -83,7 +83,7 @@ def segment_softmax_csr(logits: torch.Tensor, rowptr: torch.Tensor,
     if logits.dim() != 2 or logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"logits must be a float32 or float64 CPU tensor [E, H], got {logits.dtype} "
                          f"{list(logits.shape)} on {logits.device.type}")
-    _check_segments(rowptr, logits.shape[0], rowptr.shape[0] - 1)
+    _check_segments(rowptr, logits.shape[0], rowptr.shape[0] - 1, logits.device)
     return _Softmax.apply(logits, rowptr, plain)
 
 
