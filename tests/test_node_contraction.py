@@ -66,6 +66,35 @@ def test_node_operators_equal_their_definitions(backend):
     assert torch.equal(o[[0, 3]], torch.zeros_like(o[[0, 3]]))  # no incoming edges: zero
 
 
+def test_node_operators_with_hub_nodes_and_wide_blocks(backend):
+    """Segments longer than a kernel's step of edges (a hub of 40 edges) and per-node matrices wider than its tiles
+    (80 rows, 96 columns): every chunk of edges, rows and columns, against the definitions."""
+    heads, hidden, kdim, dim_l, width = 2, 40, 30, 3, 2
+    blocks = torch.tensor([[0, kdim, dim_l, width, 0, 0]])
+    dims = [heads, hidden, 96, heads * width * dim_l, heads * width * hidden * kdim]
+    degrees = torch.tensor([40, 0, 17, 3])
+    rowptr, dst = _graph(degrees)
+    g = torch.Generator().manual_seed(5)
+    y, a = torch.randn(60, dims[2], generator=g, dtype=torch.float64), torch.randn(60, heads * hidden, generator=g,
+                                                                                    dtype=torch.float64)
+    z, lt = torch.randn(4, dims[3], generator=g, dtype=torch.float64), torch.randn(dims[4], generator=g,
+                                                                                 dtype=torch.float64)
+    q = torch.zeros(4, heads, hidden, dims[2], dtype=torch.float64)
+    q[..., : dim_l * kdim] = torch.einsum("nawm,awhk->nahmk", z.reshape(4, heads, width, dim_l),
+                                          lt.reshape(heads, width, hidden, kdim)).reshape(4, heads, hidden, -1)
+    q = q.reshape(4, heads * hidden, dims[2])
+    t, r = segment_ops.node_expand(y, a, z, lt, blocks, rowptr, dims)
+    torch.testing.assert_close(t, torch.einsum("ep,ejp->ej", y, q[dst]), atol=1e-12, rtol=0)
+    torch.testing.assert_close(r, torch.einsum("ej,ejp->ep", a, q[dst]), atol=1e-12, rtol=0)
+    u = torch.zeros_like(q).index_add(0, dst, a[:, :, None] * y[:, None])
+    o, glt = segment_ops.node_outer(a, y, lt, z, blocks, rowptr, dims)
+    ub = u.reshape(4, heads, hidden, dims[2])[..., : dim_l * kdim].reshape(4, heads, hidden, dim_l, kdim)
+    ref_o = torch.einsum("awhk,nahmk->nawm", lt.reshape(heads, width, hidden, kdim), ub).reshape(4, -1)
+    ref_glt = torch.einsum("nawm,nahmk->awhk", z.reshape(4, heads, width, dim_l), ub).reshape(-1)
+    torch.testing.assert_close(o, ref_o, atol=1e-11, rtol=0)
+    torch.testing.assert_close(glt, ref_glt, atol=1e-11, rtol=0)
+
+
 def test_node_operators_one_output_at_a_time(backend):
     rowptr, _ = _graph()
     y, a, z, lt = (t.detach() for t in _operands(1))
@@ -341,7 +370,7 @@ def test_node_operators_refuse_bad_block_tables(row, match):
         segment_ops.node_expand(y.float(), None, z, lt, BLOCKS, rowptr, DIMS)
 
 
-def test_path_features_of_a_transposed_input_compile(float64_default):
+def test_path_features_of_a_transposed_input_compile(float64_default, backend):
     """The gradient of ``x`` is contiguous whatever the strides of ``x`` (as the fake implementation says)."""
     tp = SphericalTensorProduct("3x0e + 2x1o", o3.Irreps.spherical_harmonics(2), ["2x0e + 1x1o"])
     x = torch.randn(9, 5, requires_grad=True)
