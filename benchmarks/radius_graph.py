@@ -62,7 +62,8 @@ for path in (ROOT, ROOT / "benchmarks"):  # run from a checkout without installi
 
 from dense_vs_sparse import box_side, memory_method, peak_mib, sync  # noqa: E402
 
-from e3attn.graph import _radius_graph, radius_graph, radius_graph_pbc  # noqa: E402
+from e3attn.graph import radius_graph, radius_graph_pbc  # noqa: E402
+from e3attn.graph.radius import _radius_graph  # noqa: E402
 
 SYSTEMS = ("open", "fcc", "triclinic")
 FCC_A, FCC_RADIUS, TRICLINIC_RADIUS = 3.61, 5.0, 3.0

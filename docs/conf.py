@@ -4,6 +4,9 @@ Build (warnings are errors, code cells executed, figures generated)::
 
     sphinx-build -W --keep-going -b html docs docs/_build/html
 """
+import functools
+import importlib
+import inspect
 import os
 import sys
 
@@ -87,7 +90,20 @@ def _resolve_top_level_alias(app, env, node, contnode):
     return domain.resolve_xref(env, node["refdoc"], app.builder, node["reftype"], node["reftarget"], node, contnode)
 
 
+def _defining_module(app, modname, attribute):
+    """viewcode: the module that defines a function whose ``__module__`` is the package exporting it
+    (:func:`e3attn.graph.radius_graph` is written in ``e3attn/graph/radius.py``)."""
+    try:
+        obj = functools.reduce(getattr, attribute.split("."), importlib.import_module(modname))
+    except (ImportError, AttributeError):
+        return None
+    code = getattr(obj, "__code__", None)
+    module = inspect.getmodule(code) if code is not None else None
+    return module.__name__ if module is not None else None
+
+
 def setup(app):
     app.connect("html-page-context", _drop_remote_assets)
     app.connect("autodoc-skip-member", _skip_namedtuple_fields)
     app.connect("missing-reference", _resolve_top_level_alias)
+    app.connect("viewcode-follow-imported", _defining_module)

@@ -13,12 +13,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from e3attn import _edges as edges_module
-from e3attn import _search
-from e3attn import graph as graph_module
-from e3attn._cells import cell_list_pairs, ragged_arange
-from e3attn._search import BACKENDS, has_torch_cluster
-from e3attn.graph import _radius_graph, _radius_graph_pbc, complete_graph, radius_graph, radius_graph_pbc
+from e3attn.graph import complete_graph, radius_graph, radius_graph_pbc
+from e3attn.graph import edges as edges_module
+from e3attn.graph import radius as graph_module
+from e3attn.graph import search as _search
+from e3attn.graph.cells import cell_list_pairs, ragged_arange
+from e3attn.graph.radius import _radius_graph, _radius_graph_pbc
+from e3attn.graph.search import BACKENDS, has_torch_cluster
 
 AVAILABLE = [b for b in BACKENDS if b != "torch_cluster" or has_torch_cluster()]
 # radii whose squares are exact in binary, so grid-valued clouds test the strict "<" exactly
@@ -624,7 +625,7 @@ def _half_list(case: str, n: int, rng: np.random.Generator):
 @pytest.mark.parametrize("loop", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_host_assembly_equals_lexsort(case, n, loop, threads):
-    # the blockwise sort of e3attn._csr against NumPy's lexsort of the edges (dst, src, shift)
+    # the blockwise sort of e3attn.graph.csr against NumPy's lexsort of the edges (dst, src, shift)
     i, j, shift = _half_list(case, n, np.random.default_rng(len(case)))
     loop = loop and shift is None and n < 10**6  # self-loops: open graphs only
     before = torch.get_num_threads()

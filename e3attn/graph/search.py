@@ -13,7 +13,7 @@ test. The backends:
   <https://luthaf.fr/vesin>`_ (CPU). A batch of open graphs is laid out side by side
   and searched in one call; periodic graphs are searched one cell at a time.
 - ``"torch_cluster"``: the optional ``torch_cluster.radius`` (used on CUDA when installed).
-- ``"cells"``: the plain-PyTorch cell list of :mod:`e3attn._cells` (any device): GPUs
+- ``"cells"``: the plain-PyTorch cell list of :mod:`e3attn.graph.cells` (any device): GPUs
   without torch_cluster, and the boxes whose cell grid vesin 0.6 cannot build
   (:func:`vesin_grid_ok`).
 
@@ -29,7 +29,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 
-from e3attn._cells import cell_list_pairs, ragged_arange
+from e3attn.graph.cells import cell_list_pairs, ragged_arange
 
 __all__ = [
     "BACKENDS",

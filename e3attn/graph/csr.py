@@ -19,7 +19,7 @@ edge becomes the packed key
 
 Every step runs in groups on the threads of :func:`e3attn.kernels.threads.parallel` (one group when the
 call is too small for them), and the result does not depend on them (the sort makes it unique). ``code`` numbers the shifts :math:`S \in [-m, m]^3` lexicographically (see
-:func:`e3attn._edges._csr_edges`), so sorting packed keys sorts by shift. Compiled on first use and
+:func:`e3attn.graph.edges._csr_edges`), so sorting packed keys sorts by shift. Compiled on first use and
 cached on disk by numba.
 """
 from __future__ import annotations

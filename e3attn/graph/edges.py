@@ -7,7 +7,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 
-from e3attn._cells import squared_norm
+from e3attn.graph.cells import squared_norm
 from e3attn._checks import check_batch
 
 def _graph_index(batch: Optional[torch.Tensor], pos: torch.Tensor) -> Optional[torch.Tensor]:
@@ -26,7 +26,7 @@ def _margin(dtype: torch.dtype) -> float:
 
 # ---------------------------------------------------------------- arrays: NumPy on the CPU, torch elsewhere
 # On the CPU the graph is assembled with NumPy (light per operation: torch's OpenMP regions stall when
-# other processes keep the cores busy) and sorted by e3attn._csr, whose threads take small groups of work
+# other processes keep the cores busy) and sorted by e3attn.graph.csr, whose threads take small groups of work
 # in turn. The functions below take NumPy arrays or torch tensors alike.
 
 
@@ -129,7 +129,7 @@ def _csr_edges(i, j, shift, num_nodes: int, loop: bool, dtype: torch.dtype = tor
     shifts in ``dtype`` (``None`` without ``shift``); NumPy arrays or torch tensors, as the input.
 
     On the host, the edges are partitioned into blocks of destinations and sorted block by block
-    (:mod:`e3attn._csr`). On other devices every edge is packed into one integer key
+    (:mod:`e3attn.graph.csr`). On other devices every edge is packed into one integer key
 
     .. math:: \big((\mathrm{dst} \cdot N + \mathrm{src}) \ll c\big) \,|\, \mathrm{code}(S),
 
@@ -149,7 +149,7 @@ def _csr_edges(i, j, shift, num_nodes: int, loop: bool, dtype: torch.dtype = tor
     table = torch.cartesian_prod(every_shift, every_shift, every_shift).reshape(-1, 3)
     coefficients = [width * width, width, 1]
     if isinstance(i, np.ndarray):
-        from e3attn._csr import csr_edges  # imports numba: only once a graph is assembled on the host
+        from e3attn.graph.csr import csr_edges  # imports numba: only once a graph is assembled on the host
 
         return csr_edges(i, j, shift, num_nodes, loop, code_bits, coefficients, table.numpy())
     return _device_edges(i, j, shift, num_nodes, loop, code_bits, coefficients, table)

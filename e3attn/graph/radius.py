@@ -1,38 +1,23 @@
-r"""Neighbour graphs for point clouds: radius graphs (open and periodic) and complete graphs.
-
-Edges are ``edge_index = (src, dst)``, ``[2, E]`` int64; messages flow ``src -> dst``
-(the torch_cluster / PyG convention) and every graph here is sorted by ``dst``, then
-``src`` (then the periodic shift), so each node's incoming edges form one contiguous,
-ordered block (CSR order).
-
-Two points are neighbours when their squared distance, evaluated in the dtype of
-``pos``, is strictly below ``r_max**2``. The search never builds an ``N x N`` matrix: on
-CPU it runs the compiled cell list of `vesin <https://luthaf.fr/vesin>`_, on other
-devices ``torch_cluster`` when installed and otherwise a cell list written in PyTorch; a
-final exact test makes every backend return the same edges.
-
-The searches are the custom operators ``e3attn::radius_graph`` and
-``e3attn::radius_graph_pbc``, whose number of edges is data-dependent: a function that
-builds its graph compiles with ``torch.compile(fullgraph=True)``, and the value checks
-(finite positions, graph indices) run inside the operators, also when compiled.
-"""
+r"""The radius graphs, open (:func:`radius_graph`) and periodic (:func:`radius_graph_pbc`): the public functions
+check their arguments and call the custom operators ``e3attn::radius_graph`` and ``e3attn::radius_graph_pbc``,
+which search candidate pairs (:mod:`e3attn.graph.search`), settle the cutoff exactly and sort the edges
+(:mod:`e3attn.graph.edges`)."""
 from __future__ import annotations
 
-from numbers import Integral
 from typing import Optional, Tuple
 
 import numpy as np
 import torch
 
-from e3attn._cells import ragged_arange, squared_norm
 from e3attn._checks import check_batch, check_pos
-from e3attn._edges import (_arrays, _cast, _check_num_neighbors, _csr_edges, _graph_index, _graph_labels, _int64,
-                           _margin, _on_host, _settle, _shift_vectors, _shorter_than, _tensor, _without)
-from e3attn._graph_checks import (check_cell, check_cells_away, check_flag, check_images, check_max_num_neighbors,
-                                  check_r_max, check_spread)
-from e3attn._search import default_backend, half_pairs, periodic_half_pairs
+from e3attn.graph.cells import squared_norm
+from e3attn.graph.checks import (check_cell, check_cells_away, check_flag, check_images, check_max_num_neighbors,
+                                 check_r_max, check_spread)
+from e3attn.graph.edges import (_arrays, _cast, _check_num_neighbors, _csr_edges, _graph_index, _graph_labels,
+                                _int64, _margin, _on_host, _settle, _shift_vectors, _shorter_than, _tensor, _without)
+from e3attn.graph.search import default_backend, half_pairs, periodic_half_pairs
 
-__all__ = ["radius_graph", "radius_graph_pbc", "complete_graph"]
+__all__ = ["radius_graph", "radius_graph_pbc"]
 
 def _radius_graph(
     pos: torch.Tensor,
@@ -133,6 +118,7 @@ def radius_graph(
 
     Example::
 
+        >>> import torch
         >>> pos = torch.tensor([[0.0, 0, 0], [1.0, 0, 0], [0.0, 1.5, 0]])
         >>> radius_graph(pos, 1.2)
         tensor([[1, 0],
@@ -292,6 +278,7 @@ def radius_graph_pbc(
 
     Example::
 
+        >>> import torch
         >>> pos = torch.tensor([[0.0, 0.0, 0.0]])
         >>> edge_index, shifts = radius_graph_pbc(pos, torch.eye(3), [True, False, False], 1.5)
         >>> edge_index
@@ -306,43 +293,3 @@ def radius_graph_pbc(
     batch = _graph_index(batch, pos)
     cell, pbc = check_cell(cell, pbc, pos)
     return _radius_graph_pbc_op(pos.detach(), cell.detach(), pbc, r, batch)
-
-
-def complete_graph(num_nodes: int, batch: Optional[torch.Tensor] = None, *, loop: bool = True) -> torch.Tensor:
-    r"""All ordered pairs of nodes inside each graph.
-
-    .. math:: \mathcal{E} = \{(s, d) : \mathrm{batch}_s = \mathrm{batch}_d\}
-        \quad (\text{minus } s = d \text{ when } \texttt{loop=False})
-
-    The dense attention of a transformer is attention on this graph. It has
-    :math:`\sum_g n_g^2` edges for graphs of :math:`n_g` nodes.
-
-    Args:
-        num_nodes: number of nodes :math:`N \ge 0`.
-        batch: ``[N]`` integer graph index of every node (any order), or ``None`` for one graph.
-        loop: keep the self-loops :math:`(i, i)`.
-
-    Returns:
-        ``edge_index``: ``[2, E]`` int64 rows ``(src, dst)`` sorted by ``dst`` then ``src``,
-        on ``batch.device`` (CPU when ``batch`` is ``None``).
-
-    Example::
-
-        >>> complete_graph(3, torch.tensor([0, 1, 0]), loop=False)
-        tensor([[2, 0],
-                [0, 2]])
-    """
-    if isinstance(num_nodes, bool) or not isinstance(num_nodes, Integral) or num_nodes < 0:
-        raise ValueError(f"num_nodes must be a non-negative int, got {num_nodes!r}")
-    check_batch(batch, num_nodes)
-    if batch is None:
-        batch = torch.zeros(num_nodes, dtype=torch.long)
-    _, graph, counts = torch.unique(batch.long(), return_inverse=True, return_counts=True)
-    members = torch.sort(graph, stable=True).indices  # the nodes of every graph, ascending
-    first = torch.cumsum(counts, 0) - counts
-    dst, position = ragged_arange(first[graph], counts[graph])
-    src = members[position]
-    if not loop:
-        keep = src != dst
-        src, dst = src[keep], dst[keep]
-    return torch.stack([src, dst])

@@ -1,5 +1,5 @@
 r"""Vectorised cell list in plain PyTorch: the neighbour search of GPUs without torch_cluster, and of
-the boxes vesin cannot grid (see :mod:`e3attn._search`).
+the boxes vesin cannot grid (see :mod:`e3attn.graph.search`).
 
 Points are binned into cubic cells of side :math:`s \ge r`, so two points closer than
 :math:`r` lie in the same or in adjacent cells. Cells are identified by one integer key
