@@ -48,10 +48,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-import sys
 from typing import List, Optional, Sequence
 
 import torch
+
+from . import backends
+from .backends import backend, set_cpu_backend
 
 __all__ = ["backend", "eager_on_cpu", "fused_enabled", "fused_factored_product", "segments_enabled",
            "set_cpu_backend", "set_cuda_kernels", "set_fused_kernels"]
@@ -59,22 +61,6 @@ __all__ = ["backend", "eager_on_cpu", "fused_enabled", "fused_factored_product",
 _DTYPES = (torch.float32, torch.float64)
 _ENABLED = os.environ.get("E3ATTN_FUSED_KERNELS", "1") != "0"
 _CUDA_ENABLED = os.environ.get("E3ATTN_CUDA_KERNELS", "0") == "1"
-BACKENDS = ("numba", "triton")
-
-
-def _backend_from_environment() -> str:
-    """``E3ATTN_KERNEL_BACKEND``: the backend of CPU tensors, ``numba`` (the default) or ``triton`` (Triton's
-    interpreter, switched on here where there is no GPU and Triton is not imported yet)."""
-    value = os.environ.get("E3ATTN_KERNEL_BACKEND", "").strip().lower() or "numba"
-    if value not in BACKENDS:
-        raise ValueError(f"E3ATTN_KERNEL_BACKEND must be one of {', '.join(BACKENDS)}, got "
-                         f"{os.environ['E3ATTN_KERNEL_BACKEND']!r}")
-    if value == "triton" and "triton" not in sys.modules and not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # read by Triton when it is imported
-    return value
-
-
-_CPU_BACKEND = _backend_from_environment()
 
 
 def _switch(name: str, enabled: bool) -> bool:
@@ -100,28 +86,6 @@ def set_cuda_kernels(enabled: bool) -> bool:
     return _switch("_CUDA_ENABLED", enabled)
 
 
-def set_cpu_backend(name: str) -> str:
-    """Run the kernels of CPU tensors on ``"numba"`` (the default) or on ``"triton"``: the Triton kernels of the
-    GPU in Triton's interpreter, slowly, to test them without a GPU (``TRITON_INTERPRET=1`` must have been set
-    before Triton was imported; ``E3ATTN_KERNEL_BACKEND=triton`` sets both). Returns the previous setting."""
-    global _CPU_BACKEND
-    if name not in BACKENDS:
-        raise ValueError(f"name must be one of {', '.join(BACKENDS)}, got {name!r}")
-    previous, _CPU_BACKEND = _CPU_BACKEND, name
-    return previous
-
-
-def backend(device: torch.device) -> str:
-    """The kernels that run tensors on ``device``: ``"triton"`` on CUDA, and on the CPU ``"numba"`` or, after
-    :func:`set_cpu_backend` ``("triton")`` (or ``E3ATTN_KERNEL_BACKEND=triton``), ``"triton"``. The one
-    place that decides; :func:`fused_enabled` and :func:`segments_enabled` say whether kernels run at all."""
-    if device.type == "cpu":
-        return _CPU_BACKEND
-    if device.type != "cuda":
-        raise NotImplementedError(f"no e3attn kernel for device {device.type!r}")
-    return "triton"
-
-
 def fused_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``forward_factored`` runs the fused kernels for tensors of ``dtype`` on ``device``.
 
@@ -132,7 +96,7 @@ def fused_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     """
     if not _ENABLED or dtype not in _DTYPES or device.type not in ("cpu", "cuda"):
         return False
-    if (device.type == "cuda" or _CPU_BACKEND == "triton") and not _has_triton():
+    if (device.type == "cuda" or backends.cpu_backend() == "triton") and not _has_triton():
         return False
     if device.type == "cuda" and not _CUDA_ENABLED:
         return False
@@ -157,7 +121,7 @@ def eager_on_cpu(*tensors: torch.Tensor) -> bool:
     the gradients of ``torch.autograd.grad(..., is_grads_batched=True)`` are). The caller also checks
     :func:`segments_enabled`; with the Triton backend (:func:`set_cpu_backend`) the layer takes the
     plain formulation for them, as on a GPU."""
-    return (_CPU_BACKEND == "numba" and _plain_eager(tensors)
+    return (backends.cpu_backend() == "numba" and _plain_eager(tensors)
             and all(t.device.type == "cpu" and t.dtype in _DTYPES for t in tensors))
 
 

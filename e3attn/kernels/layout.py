@@ -15,13 +15,14 @@ All arrays are built once per product, from its Clebsch-Gordan constant and weig
 """
 from __future__ import annotations
 
+import functools
 from typing import Dict, NamedTuple, Tuple
 
 import numpy as np
 import torch
 from e3nn import o3
 
-__all__ = ["KernelLayout", "kernel_layout", "layout_for", "output_dim", "padded_paths"]
+__all__ = ["KernelLayout", "component_major_paths", "kernel_layout", "layout_for", "output_dim", "padded_paths"]
 
 # columns of ``KernelLayout.blocks``
 BLOCK_FIELDS = ("output", "path_offset", "k", "dim_l", "width", "weight_offset", "channel_offset")
@@ -129,3 +130,18 @@ def padded_paths(num_paths: int) -> int:
     """The columns of the node kernels' path features: ``num_paths`` padded with zeros to a multiple of 8, so that
     their loops along the paths run in whole vectors, without a scalar remainder."""
     return -(-num_paths // 8) * 8
+
+
+@functools.lru_cache(maxsize=None)
+def component_major_paths(spec: str) -> Tuple[np.ndarray, int]:
+    """The column of every path feature ``p`` of the product named by ``spec`` in the order of the node kernels
+    (:mod:`e3attn.kernels.segment_ops`): (degree group, component ``m``, path ``k``) instead of the layout's
+    (group, ``k``, ``m``); and the number of columns (:func:`padded_paths`: the last ones are zeros)."""
+    layout = layout_for(spec)
+    groups = sorted({(int(b[1]), int(b[2]), int(b[3])) for b in layout.blocks})  # (offset, K, 2l+1)
+    starts = np.asarray([g[0] for g in groups] + [layout.num_paths], dtype=np.int64)
+    p = np.arange(layout.num_paths, dtype=np.int64)
+    g = np.searchsorted(starts, p, side="right") - 1
+    kdim, dim_l = np.asarray([x[1] for x in groups])[g], np.asarray([x[2] for x in groups])[g]
+    local = p - starts[g]
+    return starts[g] + (local % dim_l) * kdim + local // dim_l, padded_paths(layout.num_paths)

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from . import cpu
+from .backends import backend
 from .layout import layout_for, output_dim
 from .threads import parallel
 
@@ -134,8 +135,6 @@ def _tile(tile: int, layout, dtype: torch.dtype) -> int:
 
 def _on_numba(sh: torch.Tensor) -> bool:
     """Whether the numba kernels (True) or the Triton kernels (False) run tensors on the device of ``sh``."""
-    from . import backend
-
     return backend(sh.device) == "numba"
 
 

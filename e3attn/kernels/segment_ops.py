@@ -32,14 +32,14 @@ registered operators.
 """
 from __future__ import annotations
 
-import functools
 from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from . import _plain_eager, backend, cpu, segments
-from .layout import layout_for, padded_paths
+from . import _plain_eager, cpu, segments
+from .backends import backend
+from .layout import component_major_paths, layout_for, padded_paths
 from .ops import _array, _forward_groups
 from .threads import parallel
 
@@ -176,21 +176,6 @@ def _(y, a, z, lt, blocks, rowptr, dims):
 @node_outer.register_fake
 def _(a, y, lt, z, blocks, rowptr, dims):
     return y.new_empty(rowptr.shape[0] - 1 if lt is not None else 0, dims[3]), y.new_empty(dims[4] if z is not None else 0)
-
-
-@functools.lru_cache(maxsize=None)
-def component_major_paths(spec: str) -> Tuple[np.ndarray, int]:
-    """The column of every path feature ``p`` of the product named by ``spec`` in the order of this module,
-    (degree group, component ``m``, path ``k``) instead of the layout's (group, ``k``, ``m``), and the number of
-    columns (:func:`~e3attn.kernels.layout.padded_paths`: the last ones are zeros)."""
-    layout = layout_for(spec)
-    groups = sorted({(int(b[1]), int(b[2]), int(b[3])) for b in layout.blocks})  # (offset, K, 2l+1)
-    starts = np.asarray([g[0] for g in groups] + [layout.num_paths], dtype=np.int64)
-    p = np.arange(layout.num_paths, dtype=np.int64)
-    g = np.searchsorted(starts, p, side="right") - 1
-    kdim, dim_l = np.asarray([x[1] for x in groups])[g], np.asarray([x[2] for x in groups])[g]
-    local = p - starts[g]
-    return starts[g] + (local % dim_l) * kdim + local // dim_l, padded_paths(layout.num_paths)
 
 
 def _path_arguments(spec: str, x: torch.Tensor, index: torch.Tensor, sh: torch.Tensor) -> bool:

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from .gpu import BLOCK_E as _PATH_TILE
 from .gpu import _coefficients_kernel
-from .layout import layout_for
+from .layout import component_major_paths, layout_for
 
 __all__ = ["node_pass", "path_features", "path_features_backward"]
 
@@ -236,8 +236,6 @@ def _tables(spec: str, x_dim: int, sh_dim: int, device: torch.device, dtype: tor
     key = (spec, x_dim, sh_dim, device, dtype)
     found = _TABLES.get(key)
     if found is None:
-        from .segment_ops import component_major_paths
-
         layout = layout_for(spec)
         order, paths = component_major_paths(spec)
         columns = order[layout.path_p]
