@@ -157,3 +157,22 @@ def test_model_building_its_graph_compiles_fullgraph(float64_default):
                                    reduce="sum")
     inputs = [(torch.rand(n, 3) * 2, torch.randn(n, 2), torch.arange(n) * 2 // n) for n in (10, 17, 31)]
     _compiled_equals_eager(lambda pos, x, batch: model(pos, x, batch=batch).sum(), inputs)
+
+
+@pytest.mark.slow
+def test_periodic_model_building_its_graph_compiles_fullgraph(float64_default):
+    """radius_graph_pbc, edge_vectors and the model in one compiled function."""
+    import torch
+
+    import e3attn
+    from e3attn.models import EquivariantTransformer, edge_vectors
+
+    torch.manual_seed(0)
+    model = EquivariantTransformer("1x0e", "4x0e + 2x1o", "0e", max_radius=1.5, num_layers=1, reduce="sum")
+    cell = torch.tensor([[2.5, 0.0, 0.0], [0.3, 2.4, 0.0], [0.0, -0.2, 2.6]])
+
+    def energy(pos):
+        edge_index, shifts = e3attn.radius_graph_pbc(pos, cell, [True, True, False], 1.5)
+        return model(pos, None, None, edge_index, edge_vectors(pos, edge_index, shifts, cell)).sum()
+
+    _compiled_equals_eager(energy, [(torch.rand(n, 3) * 2.5,) for n in (6, 9, 13)])
