@@ -108,7 +108,7 @@ def check_edge_index(edge_index: torch.Tensor, num_nodes: int, name: str = "edge
         raise ValueError(f"{name} must have shape [2, E], got {list(edge_index.shape)}")
     if edge_index.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"{name} must be an integer (int64 or int32) tensor, got dtype {edge_index.dtype}")
-    if edge_index.numel() > 0 and not _tracing():
+    if not _tracing() and edge_index.numel() > 0:  # the size may be data-dependent while tracing
         lo, hi = int(edge_index.min()), int(edge_index.max())
         if lo < 0 or hi >= num_nodes:
             raise ValueError(f"{name} has entries in [{lo}, {hi}], outside the valid node range [0, {num_nodes})")
@@ -124,7 +124,7 @@ def check_batch(batch: Optional[torch.Tensor], num_nodes: int, name: str = "batc
         raise ValueError(f"{name} must have shape [{num_nodes}] (one graph index per point), got {list(batch.shape)}")
     if batch.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"{name} must be an integer tensor, got dtype {batch.dtype}")
-    if batch.numel() > 0 and not _tracing() and int(batch.min()) < 0:
+    if not _tracing() and batch.numel() > 0 and int(batch.min()) < 0:
         raise ValueError(f"{name} must hold non-negative graph indices")
 
 

@@ -120,7 +120,8 @@ class E3AttnCalculator(Calculator):
             ``species`` or a mapping from symbol to energy; default zeros.
         energy_scale: eV per unit of the model's output, a positive number.
         device: where to run the model (default: where its parameters are).
-        dtype: the dtype to run the model in (default: that of its parameters); results are float64.
+        dtype: the dtype to run the model in, ``torch.float16``, ``bfloat16``, ``float32`` or ``float64``
+            (default: that of its parameters); results are float64.
 
     Raises:
         ValueError: on malformed arguments, and when computing atoms with elements not in ``species``.
@@ -162,8 +163,9 @@ class E3AttnCalculator(Calculator):
             )
         if isinstance(energy_scale, bool) or not isinstance(energy_scale, Real) or not 0 < energy_scale < math.inf:
             raise ValueError(f"energy_scale must be a positive finite number, got {energy_scale!r}")
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        supported = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # not float8: no arithmetic
+        if dtype is not None and dtype not in supported:
+            raise ValueError(f"dtype must be one of {', '.join(map(str, supported))}, got {dtype!r}")
         parameter = next(model.parameters(), None)
         self.device = torch.device(device) if device is not None else (
             parameter.device if parameter is not None else torch.device("cpu")

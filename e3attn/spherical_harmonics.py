@@ -107,6 +107,8 @@ class SphericalHarmonics(Float64ConstantsModule):
             parents, variables = self._parents[rows], self._variables[rows]
             monomials.append(monomials[-1].index_select(0, parents) * u.index_select(0, variables))
             start += size
-        # [E, (lmax + 1)^2], contiguous: the consumers (e.g. the kernels) need no copy
-        out = torch.cat(monomials, dim=0).T @ self.constant("coefficients", u.dtype)
+        # [E, (lmax + 1)^2], contiguous: the consumers (e.g. the kernels) need no copy. The monomials are made
+        # contiguous as [E, M] first: the backward of a product with a transposed factor guards on E (E == 1?),
+        # which torch.compile cannot do when E is the data-dependent size of a graph built in the compiled region
+        out = torch.cat(monomials, dim=0).T.contiguous() @ self.constant("coefficients", u.dtype)
         return out.reshape(shape + (out.shape[1],))

@@ -1,11 +1,14 @@
 """Helpers shared by the examples: command-line options and their errors, devices, seeds, figures."""
 import argparse
+import json
 import os
 import pathlib
 import re
 import sys
 
 import torch
+
+from e3attn._files import atomic_write
 
 _ROLE = re.compile(r":[a-z]+:`(~?)([^`]+)`")  # :class:`~a.b.C`, :math:`x`
 _LATEX = {r"\partial ": "d", r"\partial": "d", r"\pm": "+-", r"\cdot": "*"}
@@ -100,6 +103,19 @@ def figure_path(out, default: str) -> pathlib.Path:
     path = pathlib.Path(out) if out is not None else pathlib.Path(default)
     path.parent.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def save_figure(fig, path, dpi: int = 120) -> None:
+    """``fig`` saved to ``path`` (format from its suffix, PNG without one) atomically: a figure already there is
+    replaced only once the new one is complete (e3attn's own writer of checkpoints)."""
+    with atomic_write(path) as file:
+        fig.savefig(file, format=pathlib.Path(path).suffix[1:] or "png", dpi=dpi)
+
+
+def write_json(data, path) -> None:
+    """``data`` written to ``path`` as indented JSON, atomically (see :func:`save_figure`)."""
+    with atomic_write(path, "w") as file:
+        json.dump(data, file, indent=1)
 
 
 def pyplot():

@@ -113,7 +113,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, pathlib.Path]:
     paths = {}
     for name, figure in figures.items():
         paths[name] = args.out / f"{name}.png"
-        figure.savefig(paths[name], dpi=dpi)
+        _common.save_figure(figure, paths[name], dpi=dpi)
 
     rank = attention_centrality(last.edge_index, last.alpha, num_nodes, reverse=True)["pagerank"]
     order = torch.argsort(rank, descending=True).tolist()

@@ -17,7 +17,6 @@ total, potential and kinetic energy against time (PNG):
 
 --checkpoint loads the file when it exists and otherwise trains (--epochs) and saves it there.
 """
-import json
 import math
 import os
 
@@ -159,7 +158,7 @@ def main(argv=None) -> dict:
     fig.suptitle(f"NVE velocity Verlet, fcc Cu, {n} atoms")
     fig.tight_layout()
     path = _common.figure_path(args.out, "md.png")
-    fig.savefig(path, dpi=120)
+    _common.save_figure(fig, path)
     plt.close(fig)
     print(f"NVE, fcc Cu, {n} atoms, {duration:g} fs from {args.temperature:g} K; "
           f"largest |E_tot(t) - E_tot(0)| per atom:")
@@ -170,8 +169,7 @@ def main(argv=None) -> dict:
     result = {"num_atoms": n, "duration_fs": duration, "temperature_K": args.temperature, "dtype": args.dtype,
               "deviation_meV_per_atom": deviations}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        _common.write_json(result, args.json)
     return {**result, "figure": str(path)}
 
 

@@ -221,7 +221,7 @@ def plot_parity(result: dict, path) -> None:
         ax.set_title(f"held-out MAE {mae:.1f} {unit}")
     fig.suptitle("e3attn on EMT-labelled Cu/Ni/Au clusters and crystals")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _common.save_figure(fig, path)
     plt.close(fig)
 
 

@@ -105,7 +105,7 @@ def plot(curve, path):
     fig.legend(loc="center right", bbox_to_anchor=(0.88, 0.5))
     ax.set_title("e3attn tetris: 8 tetracubes, chiral pair included")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _common.save_figure(fig, path)
     plt.close(fig)
 
 

@@ -269,12 +269,28 @@ def test_no_atoms(calc):
         (dict(energy_references={"Cu": 1.0}), "each of the species"),
         (dict(energy_scale=0.0), "energy_scale"),
         (dict(dtype=torch.int64), "dtype"),
+        (dict(dtype=torch.float8_e4m3fn), r"dtype must be one of torch.float16, torch.bfloat16, torch.float32, "
+                                          r"torch.float64, got torch.float8_e4m3fn"),
     ],
 )
 def test_bad_arguments(kwargs, match):
     kwargs = {"species": SPECIES, **kwargs}
     with pytest.raises(ValueError, match=match):
         E3AttnCalculator(make_model(), **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_every_accepted_dtype_computes(calc, dtype):
+    """Each dtype the constructor accepts gives float64's energy, forces and stress to its precision (half
+    precision: the periodic graph and the cell's volume are computed wider)."""
+    narrow = E3AttnCalculator(make_model(), SPECIES, energy_references=REFERENCES, energy_scale=SCALE, dtype=dtype)
+    atoms = STRUCTURES["triclinic"]()
+    for name in ["energy", "forces", "stress"]:
+        expected = np.asarray(calc.get_property(name, atoms))
+        got = np.asarray(narrow.get_property(name, atoms))
+        scale = np.abs(expected).max()
+        assert got.dtype == np.float64 and scale > 1e-2
+        assert np.abs(got - expected).max() < 50 * torch.finfo(dtype).eps * scale  # measured: up to 31 eps
 
 
 def test_species_as_atomic_numbers(calc):

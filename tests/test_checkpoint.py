@@ -2,6 +2,7 @@
 import copy
 import inspect
 import io
+import os
 import pickle
 import zipfile
 
@@ -66,6 +67,82 @@ def test_save_refuses_what_would_not_load_naming_the_key(tmp_path, extra, match)
     with pytest.raises(ValueError, match=match):
         save_checkpoint(small_model(), tmp_path / "model.pt", **extra)
     assert not (tmp_path / "model.pt").exists()
+
+
+class Importable(torch.Tensor):
+    """A tensor subclass that torch.load(weights_only=True) does not allow (only its data is stored)."""
+
+
+class NoData(torch.Tensor):
+    """A wrapper subclass whose every operation fails: there is no data to store."""
+
+    @staticmethod
+    def __new__(cls, size):
+        return torch.Tensor._make_wrapper_subclass(cls, size, dtype=torch.float32)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"NoData has no {func}")
+
+
+def test_tensor_subclasses_are_stored_as_plain_tensors(tmp_path):
+    class Local(torch.Tensor):  # defined in a function: not picklable by reference
+        pass
+
+    values = torch.tensor([0.5, -2.0, 3.25])
+    extra = {"norm": values.as_subclass(Local), "shift": values.as_subclass(Importable),
+             "param": torch.nn.Parameter(values.clone()), "nested": [values.as_subclass(Local)]}
+    save_checkpoint(small_model(), tmp_path / "model.pt", **extra)
+    _, loaded = load_checkpoint(tmp_path / "model.pt")
+    for got in (loaded["norm"], loaded["shift"], loaded["param"], loaded["nested"][0]):
+        assert type(got) is torch.Tensor and not got.requires_grad
+        assert torch.equal(got, values)
+
+
+def test_a_subclass_without_data_is_refused_naming_the_key(tmp_path):
+    with pytest.raises(ValueError, match=r"extra 'weird'\[0\] is a .*NoData \(a tensor subclass\) whose data"):
+        save_checkpoint(small_model(), tmp_path / "model.pt", weird=[NoData((3,))])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_numpy_long_double_and_zero_dimensional_arrays(tmp_path):
+    path = tmp_path / "model.pt"
+    save_checkpoint(small_model(), path, mae=np.longdouble(0.125), z=np.clongdouble(0.5 - 2j), scale=np.array(0.25),
+                    count=np.array(7, dtype=np.int16), swapped=np.array([1.5, -2.0], dtype=">f8"),
+                    strided=np.arange(6.0)[::2])
+    _, loaded = load_checkpoint(path)
+    assert loaded["mae"] == 0.125 and type(loaded["mae"]) is float
+    assert loaded["z"] == 0.5 - 2j and type(loaded["z"]) is complex
+    assert loaded["scale"].shape == () and loaded["scale"].item() == 0.25 and loaded["scale"].dtype == torch.float64
+    assert loaded["count"].shape == () and loaded["count"].item() == 7 and loaded["count"].dtype == torch.int16
+    assert loaded["swapped"].tolist() == [1.5, -2.0] and loaded["strided"].tolist() == [0.0, 2.0, 4.0]
+    if np.finfo(np.longdouble).nmant > np.finfo(np.float64).nmant:  # a long double wider than a float
+        with pytest.raises(ValueError, match=r"extra 'metrics'\['mae'\] is a NumPy float128 scalar that a Python "
+                                             r"float cannot hold exactly"):
+            save_checkpoint(small_model(), tmp_path / "other.pt", metrics={"mae": np.longdouble(1) / 3})
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    """The file is written beside its target and renamed onto it only once complete: a write that fails midway
+    (here: a full disk after a few bytes) leaves the previous checkpoint and no temporary file."""
+    path = tmp_path / "model.pt"
+    save_checkpoint(small_model(), path, energy_scale=0.5)
+    before = path.read_bytes()
+
+    def full_disk(obj, f, *args, **kwargs):
+        f = open(f, "wb") if isinstance(f, (str, os.PathLike)) else f
+        f.write(b"PK\x03\x04 partial")
+        f.flush()
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        save_checkpoint(small_model(), path, energy_scale=0.7)
+    monkeypatch.undo()
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["model.pt"]
+    assert load_checkpoint(path)[1] == {"energy_scale": 0.5}
+    save_checkpoint(small_model(), path, energy_scale=0.7)  # a successful save replaces it
+    assert load_checkpoint(path)[1] == {"energy_scale": 0.7} and [p.name for p in tmp_path.iterdir()] == ["model.pt"]
 
 
 def write(path, payload):

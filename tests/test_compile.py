@@ -104,3 +104,75 @@ def test_model_compiles_as_one_graph(float64_default):
     torch.testing.assert_close(results[1][0], results[0][0], atol=1e-12, rtol=0)
     for got, want in zip(results[1][1], results[0][1]):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
+def _compiled_equals_eager(fn, inputs):
+    """``fn`` compiled with ``fullgraph=True`` (aot_eager: the same tracing as inductor, without its code
+    generation) on inputs of changing sizes: eager's value and position gradient, one compilation."""
+    import torch
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="aot_eager")
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for pos, *rest in inputs:
+        results = []
+        for run in (fn, compiled):
+            p = pos.clone().requires_grad_()
+            energy = run(p, *rest)
+            results.append((energy.detach(), torch.autograd.grad(energy, p)[0]))
+        torch.testing.assert_close(results[1][0], results[0][0], atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(results[1][1], results[0][1], atol=1e-12, rtol=1e-12)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames == 1  # fullgraph, no recompilation
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_function_building_its_graph_compiles_fullgraph(float64_default):
+    """The radius graph and the layer in one compiled function: the number of edges is data-dependent, so no check
+    may branch on it while tracing (the layer's checks, the kernels' backward, the harmonics' backward)."""
+    import torch
+
+    import e3attn
+
+    torch.manual_seed(0)
+    layer = e3attn.EquivariantAttention("4x0e + 1x1o", "4x0e", "4x0e", "4x0e", max_radius=1.5, lmax=1)
+
+    def energy(pos, feats):
+        edge_index = e3attn.radius_graph(pos, 1.5)
+        return layer(feats, pos, edge_index, edge_vec=pos[edge_index[0]] - pos[edge_index[1]]).pow(2).sum()
+
+    _compiled_equals_eager(energy, [(torch.rand(n, 3) * 2, torch.randn(n, 7)) for n in (10, 17, 31)])
+
+
+@pytest.mark.slow
+def test_model_building_its_graph_compiles_fullgraph(float64_default):
+    """EquivariantTransformer(pos) builds its own radius graph (per molecule of ``batch``) inside the compiled
+    region."""
+    import torch
+
+    from e3attn.models import EquivariantTransformer
+
+    torch.manual_seed(0)
+    model = EquivariantTransformer("2x0e", "4x0e + 2x1o", "1x0e", max_radius=1.5, num_layers=1, num_heads=2, lmax=2,
+                                   reduce="sum")
+    inputs = [(torch.rand(n, 3) * 2, torch.randn(n, 2), torch.arange(n) * 2 // n) for n in (10, 17, 31)]
+    _compiled_equals_eager(lambda pos, x, batch: model(pos, x, batch=batch).sum(), inputs)
+
+
+@pytest.mark.slow
+def test_periodic_model_building_its_graph_compiles_fullgraph(float64_default):
+    """radius_graph_pbc, edge_vectors and the model in one compiled function."""
+    import torch
+
+    import e3attn
+    from e3attn.models import EquivariantTransformer, edge_vectors
+
+    torch.manual_seed(0)
+    model = EquivariantTransformer("1x0e", "4x0e + 2x1o", "0e", max_radius=1.5, num_layers=1, reduce="sum")
+    cell = torch.tensor([[2.5, 0.0, 0.0], [0.3, 2.4, 0.0], [0.0, -0.2, 2.6]])
+
+    def energy(pos):
+        edge_index, shifts = e3attn.radius_graph_pbc(pos, cell, [True, True, False], 1.5)
+        return model(pos, None, None, edge_index, edge_vectors(pos, edge_index, shifts, cell)).sum()
+
+    _compiled_equals_eager(energy, [(torch.rand(n, 3) * 2.5,) for n in (6, 9, 13)])

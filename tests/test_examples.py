@@ -27,6 +27,38 @@ def test_tetris_smoke(examples, tmp_path):
     assert result["equivariance_error"]["float32"] < 1e-3
 
 
+def test_figures_and_json_are_replaced_only_when_complete(examples, tmp_path):
+    """A figure (or JSON report) that fails midway (an interrupt here) leaves the file already there and no
+    temporary file; a complete one replaces it."""
+    import json
+
+    import _common
+
+    plt = _common.pyplot()
+    fig, _ = plt.subplots()
+    path, report = tmp_path / "figure.png", tmp_path / "report.json"
+    path.write_bytes(b"previous figure")
+    report.write_text('{"previous": 1}')
+
+    def interrupted(file, **kwargs):
+        file.write(PNG)
+        raise KeyboardInterrupt
+
+    original, fig.savefig = fig.savefig, interrupted
+    with pytest.raises(KeyboardInterrupt):
+        _common.save_figure(fig, path)
+    with pytest.raises(TypeError):  # not JSON: fails after the file was opened
+        _common.write_json({"bad": object()}, report)
+    assert path.read_bytes() == b"previous figure" and report.read_text() == '{"previous": 1}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["figure.png", "report.json"]
+    fig.savefig = original
+    _common.save_figure(fig, path)
+    _common.write_json({"new": [1, 2]}, report)
+    plt.close(fig)
+    assert path.read_bytes()[:8] == PNG and json.loads(report.read_text()) == {"new": [1, 2]}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["figure.png", "report.json"]
+
+
 def test_tetris_logits_swap_only_the_chiral_pair_under_a_mirror(examples):
     import tetris
 

@@ -646,14 +646,15 @@ def test_host_assembly_equals_lexsort(case, n, loop, threads):
         np.testing.assert_array_equal(shifts, s[order].astype(np.float64))
 
 
-def test_bfloat16_positions():
-    # NumPy has no bfloat16: such graphs are assembled with torch, in bfloat16
-    pos = (torch.rand(40, 3, generator=torch.Generator().manual_seed(13)) * 3).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_positions(dtype):
+    # NumPy has no bfloat16: such graphs are assembled with torch; numba has no float16: its shifts are decoded wider
+    pos = (torch.rand(40, 3, generator=torch.Generator().manual_seed(13)) * 3).to(dtype)
     assert torch.equal(radius_graph(pos, 1.0), brute_radius_graph(pos, 1.0))
-    cell = (torch.eye(3) * 3).to(torch.bfloat16)
+    cell = (torch.eye(3) * 3).to(dtype)
     edge_index, shifts = radius_graph_pbc(pos, cell, [True, True, False], 1.0)
     expected = brute_radius_graph_pbc(pos, cell[None], torch.tensor([[True, True, False]]), 1.0, torch.zeros(40, dtype=torch.long))
-    assert torch.equal(edge_index, expected[0]) and torch.equal(shifts, expected[1])
+    assert torch.equal(edge_index, expected[0]) and torch.equal(shifts, expected[1]) and shifts.dtype == dtype
 
 
 # ---------------------------------------------------------------- complete graph

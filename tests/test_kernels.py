@@ -271,8 +271,11 @@ def test_threads_backend_refuses_an_unknown_choice(monkeypatch):
     from e3attn.kernels import threads
 
     monkeypatch.setenv("E3ATTN_KERNEL_THREADS", "tbb")
-    with pytest.raises(ValueError, match="E3ATTN_KERNEL_THREADS must be 'openmp' or 'python', got 'tbb'"):
+    with pytest.raises(ValueError, match=r"E3ATTN_KERNEL_THREADS must be 'openmp' or 'python' \(in any case, or "
+                                         r"unset\), got 'tbb'"):
         threads.backend()
+    monkeypatch.setenv("E3ATTN_KERNEL_THREADS", " Python ")
+    assert threads.backend() == "python"
 
 
 def test_layer_is_bitwise_the_same_on_either_threads_backend(kernel_threads, float64_default):

@@ -377,6 +377,21 @@ def test_crystal_stress_equals_finite_strain_derivative_in_a_batch():
             torch.testing.assert_close(stress[b, i, j], expected[0], atol=1e-8, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_crystal_stress_in_half_precision(dtype):
+    """The half-precision model gives float64's energy, forces and stress to its precision (the volume is computed
+    in float32: torch.linalg.det has no half-precision kernel), in the model's dtype."""
+    model = energy_model(num_layers=1)
+    pos, cell = (FRAC @ CELL).to(dtype), CELL.to(dtype)
+    half = crystal_stress(model.to(dtype), pos, cell)
+    exact = crystal_stress(model.double(), pos.double(), cell.double())
+    for got, want in zip(half, exact):
+        assert got.dtype == dtype and bool(torch.isfinite(got).all())
+        scale = want.abs().max().item()
+        error = (got.double() - want).abs().max().item()
+        assert scale > 1e-2 and error < 25 * torch.finfo(dtype).eps * scale  # measured: up to 17 (6 in bfloat16)
+
+
 def crystal_energy_batched(model, pos, cells, batch):
     edge_index, shifts = radius_graph_pbc(pos, cells, True, model.max_radius, batch)
     return energy_and_forces(model, pos, batch=batch, edge_index=edge_index, shifts=shifts, cell=cells)

@@ -151,7 +151,11 @@ def _csr_edges(i, j, shift, num_nodes: int, loop: bool, dtype: torch.dtype = tor
     if isinstance(i, np.ndarray):
         from e3attn.graph.csr import csr_edges  # imports numba: only once a graph is assembled on the host
 
-        return csr_edges(i, j, shift, num_nodes, loop, code_bits, coefficients, table.numpy())
+        if dtype != torch.float16:
+            return csr_edges(i, j, shift, num_nodes, loop, code_bits, coefficients, table.numpy())
+        # numba has no float16: the shifts (small integers, exact in float16) are decoded in float32
+        edge_index, shifts = csr_edges(i, j, shift, num_nodes, loop, code_bits, coefficients, table.float().numpy())
+        return edge_index, None if shifts is None else shifts.astype(np.float16)
     return _device_edges(i, j, shift, num_nodes, loop, code_bits, coefficients, table)
 
 

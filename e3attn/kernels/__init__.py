@@ -47,11 +47,11 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 from typing import List, Optional, Sequence
 
 import torch
 
+from .._env import env_flag
 from . import backends
 from .backends import backend, set_cpu_backend
 
@@ -59,8 +59,8 @@ __all__ = ["backend", "eager_on_cpu", "fused_enabled", "fused_factored_product",
            "set_cpu_backend", "set_cuda_kernels", "set_fused_kernels"]
 
 _DTYPES = (torch.float32, torch.float64)
-_ENABLED = os.environ.get("E3ATTN_FUSED_KERNELS", "1") != "0"
-_CUDA_ENABLED = os.environ.get("E3ATTN_CUDA_KERNELS", "0") == "1"
+_ENABLED = env_flag("E3ATTN_FUSED_KERNELS", True)
+_CUDA_ENABLED = env_flag("E3ATTN_CUDA_KERNELS", False)
 
 
 def _switch(name: str, enabled: bool) -> bool:

@@ -11,10 +11,11 @@ Example::
 """
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
+
+from .._env import env_choice, set_default
 
 __all__ = ["BACKENDS", "backend", "cpu_backend", "set_cpu_backend"]
 
@@ -24,12 +25,9 @@ BACKENDS = ("numba", "triton")  # the backends of CPU tensors
 def _backend_from_environment() -> str:
     """``E3ATTN_KERNEL_BACKEND``: the backend of CPU tensors, ``numba`` (the default) or ``triton`` (Triton's
     interpreter, switched on here where there is no GPU and Triton is not imported yet)."""
-    value = os.environ.get("E3ATTN_KERNEL_BACKEND", "").strip().lower() or "numba"
-    if value not in BACKENDS:
-        raise ValueError(f"E3ATTN_KERNEL_BACKEND must be one of {', '.join(BACKENDS)}, got "
-                         f"{os.environ['E3ATTN_KERNEL_BACKEND']!r}")
+    value = env_choice("E3ATTN_KERNEL_BACKEND", BACKENDS, "numba")
     if value == "triton" and "triton" not in sys.modules and not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # read by Triton when it is imported
+        set_default("TRITON_INTERPRET", "1")  # read by Triton when it is imported
     return value
 
 

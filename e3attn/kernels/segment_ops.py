@@ -36,6 +36,7 @@ from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_true
 
 from . import _plain_eager, cpu, segments
 from .backends import backend
@@ -275,7 +276,7 @@ def _save_node(ctx, inputs, output) -> None:
 
 
 def _used(g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return g.contiguous() if g is not None and g.numel() else None
+    return g.contiguous() if g is not None and guard_or_true(g.numel() != 0) else None  # sizes may be symbolic
 
 
 def _add(total: Optional[torch.Tensor], part: torch.Tensor) -> torch.Tensor:
@@ -362,8 +363,8 @@ def _paths_backward_backward(ctx, vx, vsh):
     :math:`\partial_g = P(v_x, Y) + P(x, v_Y)`, :math:`\partial_x = P_x^T(g; v_Y)`,
     :math:`\partial_Y = P_Y^T(g; v_x)` (the product is bilinear)."""
     x, index, sh, grad = ctx.saved_tensors
-    vx = vx if ctx.needs[0] and vx is not None and vx.numel() else None
-    vsh = vsh if ctx.needs[1] and vsh is not None and vsh.numel() else None
+    vx = vx if ctx.needs[0] and vx is not None and guard_or_true(vx.numel() != 0) else None
+    vsh = vsh if ctx.needs[1] and vsh is not None and guard_or_true(vsh.numel() != 0) else None
     spec = ctx.spec
     g_grad = gx = gsh = None
     if ctx.needs_input_grad[4]:

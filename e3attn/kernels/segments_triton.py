@@ -25,7 +25,6 @@ without a GPU.
 """
 from __future__ import annotations
 
-import os
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -33,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._env import env_flag
 from .gpu import BLOCK_E as _PATH_TILE
 from .gpu import _coefficients_kernel
 from .layout import component_major_paths, layout_for
@@ -106,7 +106,7 @@ def _block(n: int, least: int, most: int) -> int:
 def _interpreting() -> bool:
     """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1`` when it was imported)."""
     knobs = getattr(triton, "knobs", None)  # Triton >= 3.4
-    return bool(knobs.runtime.interpret) if knobs is not None else os.environ.get("TRITON_INTERPRET") == "1"
+    return bool(knobs.runtime.interpret) if knobs is not None else env_flag("TRITON_INTERPRET", False)
 
 
 def _check_interpretable(t: torch.Tensor) -> None:

@@ -31,6 +31,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from .._env import env_choice
+
 __all__ = ["parallel", "backend", "threads_for", "SERIAL_BELOW"]
 
 _Task = Callable[[int], None]
@@ -61,9 +63,7 @@ def threads_for(work: int) -> int:
 def backend() -> str:
     """``"openmp"`` (PyTorch's OpenMP threads) or ``"python"`` (a pool of Python threads): what :func:`parallel`
     runs on."""
-    choice = os.environ.get("E3ATTN_KERNEL_THREADS", "openmp")
-    if choice not in ("openmp", "python"):
-        raise ValueError(f"E3ATTN_KERNEL_THREADS must be 'openmp' or 'python', got {choice!r}")
+    choice = env_choice("E3ATTN_KERNEL_THREADS", ("openmp", "python"), "openmp")
     return "python" if choice == "python" or _gomp_parallel() is None else "openmp"
 
 

@@ -9,6 +9,7 @@ differently.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import warnings
 from typing import Any, Dict, Mapping, Tuple, Union
@@ -16,6 +17,7 @@ from typing import Any, Dict, Mapping, Tuple, Union
 import numpy as np
 import torch
 
+from .._files import atomic_write
 from .transformer import EquivariantTransformer
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
@@ -35,16 +37,18 @@ PathLike = Union[str, "os.PathLike[str]"]
 def _plain(value: Any, where: str) -> Any:
     """``value`` as data that ``torch.load(weights_only=True)`` reads back (NumPy converted), or a ValueError."""
     if isinstance(value, np.generic):  # before the Python types: np.float64 is a float subclass
-        return _plain(value.item(), where)
-    if isinstance(value, np.ndarray):
+        item = value.item()
+        return _plain(item, where) if not isinstance(item, np.generic) else _long_double(value, where)
+    if isinstance(value, np.ndarray):  # in native byte order, 0-d arrays staying 0-d
+        native = np.array(value, dtype=value.dtype.newbyteorder("="), order="C")
         try:
-            return torch.from_numpy(np.ascontiguousarray(value)).clone()
+            return torch.from_numpy(native)
         except TypeError:
             raise ValueError(f"{where} is a NumPy array of dtype {value.dtype}, which torch cannot hold") from None
     if type(value) in _SCALARS:
         return value
     if isinstance(value, torch.Tensor):
-        return value.detach()
+        return _tensor(value, where)
     if type(value) in (list, tuple):
         return type(value)(_plain(item, f"{where}[{i}]") for i, item in enumerate(value))
     if isinstance(value, dict):
@@ -53,6 +57,32 @@ def _plain(value: Any, where: str) -> Any:
             raise ValueError(f"{where} has a key {bad[0]!r} of type {type(bad[0]).__name__}: keys must be str or int")
         return {key: _plain(item, f"{where}[{key!r}]") for key, item in value.items()}
     raise ValueError(f"{where} is a {type(value).__module__}.{type(value).__qualname__}; checkpoints hold {_ACCEPTED}")
+
+
+def _long_double(value: np.generic, where: str) -> Union[float, complex]:
+    """A NumPy long double (whose ``item()`` is itself) as the Python number equal to it, or a ValueError."""
+    number = complex(value) if np.iscomplexobj(value) else float(value)
+    if not np.array_equal(value, number, equal_nan=True):
+        raise ValueError(f"{where} is a NumPy {value.dtype} scalar that a Python {type(number).__name__} cannot "
+                         f"hold exactly; convert it ({type(number).__name__}(value)) if the rounding is acceptable")
+    return number
+
+
+def _tensor(value: torch.Tensor, where: str) -> torch.Tensor:
+    """``value`` detached, a subclass (``nn.Parameter`` too) as a plain tensor, or a ValueError when torch cannot
+    store a subclass's data and read it back."""
+    if type(value) is torch.Tensor:
+        return value.detach()
+    try:
+        plain = value.as_subclass(torch.Tensor).detach()
+        buffer = io.BytesIO()
+        torch.save(plain, buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+    except Exception as err:  # wrapper subclasses without data of their own fail in many ways
+        raise ValueError(f"{where} is a {type(value).__module__}.{type(value).__qualname__} (a tensor subclass) "
+                         f"whose data cannot be stored as a plain tensor: {err}") from None
+    return plain
 
 
 def _weights_digest(state_dict: Mapping[str, torch.Tensor]) -> str:
@@ -71,8 +101,15 @@ def save_checkpoint(model: torch.nn.Module, path: PathLike, **extra: Any) -> Non
     A ``DistributedDataParallel`` (or any wrapper with ``.module``) is unwrapped. ``extra``
     holds whatever else prediction needs (normalisation constants, species, metrics):
     tensors, numbers, strings, ``None``, and lists, tuples and dicts of them. NumPy
-    scalars become Python numbers and NumPy arrays tensors; anything else is refused
-    here, with the key named, rather than written to a file that would not load.
+    scalars become Python numbers (a long double only when a float holds it exactly),
+    NumPy arrays tensors of the same shape (0-d included), and tensor subclasses
+    (``nn.Parameter`` too) plain tensors; anything else is refused here, with the key
+    named, before anything is written.
+
+    The file is written atomically: to a new file in the same folder, flushed to disk,
+    then renamed onto ``path``; if writing fails (a full disk, an interrupt), the new
+    file is removed and a checkpoint already at ``path`` is left as it was. ``path`` may
+    also be a binary file object, which is written directly.
 
     .. math:: \text{checkpoint} = (\text{class}, \text{config}, \text{dtype}, \theta,
         \mathrm{SHA256}(\theta), \text{extra})
@@ -106,7 +143,11 @@ def save_checkpoint(model: torch.nn.Module, path: PathLike, **extra: Any) -> Non
         "weights_sha256": _weights_digest(state_dict),
         "extra": {key: _plain(value, f"extra {key!r}") for key, value in extra.items()},
     }
-    torch.save(checkpoint, path)
+    if isinstance(path, (str, os.PathLike)):
+        with atomic_write(path) as file:
+            torch.save(checkpoint, file)
+    else:  # a file object
+        torch.save(checkpoint, path)
 
 
 def load_checkpoint(path: PathLike, map_location: Union[str, torch.device] = "cpu") -> Tuple[torch.nn.Module, Dict[str, Any]]:

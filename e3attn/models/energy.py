@@ -151,7 +151,8 @@ def energy_forces_stress(
     the stress together. Atoms, lattice vectors and periodic images all follow the strain, so
     the graph may be periodic along some directions only (pass the ``shifts`` of
     :func:`~e3attn.radius_graph_pbc`), or open (no ``shifts``: the cell then only gives the
-    volume).
+    volume). In float16 and bfloat16 the volume and the division by it are computed in
+    float32; the stress is returned in the dtype of ``pos``.
 
     Args:
         model, pos, x, batch, node_attr, edge_index, shifts, create_graph: as for :func:`energy_and_forces`.
@@ -184,7 +185,7 @@ def _num_graphs(pos: torch.Tensor, batch: Optional[torch.Tensor]) -> int:
 
 
 def _strain_cells(cell, num_graphs: int, pos: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``cell`` as ``[B, 3, 3]`` in the dtype of ``pos``, and the volumes ``[B]``, all non-zero."""
+    """``cell`` as ``[B, 3, 3]`` in the dtype of ``pos``, and the volumes ``[B]`` (float32 at least), all non-zero."""
     if not isinstance(cell, torch.Tensor) or cell.shape[-2:] != (3, 3) or cell.dim() not in (2, 3):
         raise ValueError(f"cell must be a tensor of shape [3, 3] or [B, 3, 3] for the stress, got {_shape(cell)}")
     cell = cell.to(pos.dtype).reshape(-1, 3, 3)
@@ -192,7 +193,8 @@ def _strain_cells(cell, num_graphs: int, pos: torch.Tensor) -> Tuple[torch.Tenso
         cell = cell.expand(num_graphs, 3, 3)
     elif cell.shape[0] != num_graphs:
         raise ValueError(f"cell holds {cell.shape[0]} lattices but batch describes {num_graphs} graphs")
-    volume = torch.linalg.det(cell).abs()
+    # in float32 at least: det has no half-precision kernel, and a volume of over 65504 overflows float16
+    volume = torch.linalg.det(cell.to(torch.promote_types(cell.dtype, torch.float32))).abs()
     if not bool((volume.detach() > 0).all()):
         raise ValueError("cell must have three linearly independent lattice vectors (a volume) for the stress")
     return cell, volume
@@ -240,5 +242,5 @@ def _energy_and_gradients(model, pos, x, batch, node_attr, edge_index, shifts, c
         forces = torch.zeros_like(pos) if grads[0] is None else -grads[0]
         if not with_stress:
             return out, forces, None
-        stress = torch.zeros_like(cell) if grads[1] is None else grads[1] / volume[:, None, None]
+        stress = torch.zeros_like(cell) if grads[1] is None else (grads[1] / volume[:, None, None]).to(cell.dtype)
     return out, forces, stress
