@@ -187,7 +187,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     for name in args.models:
         torch.manual_seed(train_args.seed)
         model = build(name, train_args if name == "e3attn" else args)
-        losses, seconds = molecules.fit(model, train_set, units, train_args, torch.device("cpu"))
+        losses, _, seconds, _ = molecules.fit(model, train_set, units, train_args, torch.device("cpu"))
         result = molecules.evaluate(model, test_set, units, torch.device("cpu"))
         rows.append({
             "model": name,

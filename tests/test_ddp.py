@@ -63,7 +63,9 @@ def test_ddp_shards_differ():
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
 def test_torchrun_launch(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # the e3attn of this checkout, not whichever one is installed
+    path = os.pathsep.join([str(EXAMPLES.parent), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
     command = ["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), str(EXAMPLES / "molecules.py"),
                "--ddp", "--smoke", "--device", "cpu", "--quiet", "--out", str(tmp_path / "parity.png")]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import sys
-import warnings
 from typing import List, Optional, Sequence
 
 import torch
@@ -96,10 +95,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.stress_key = None if args.stress_key.lower() == "none" else args.stress_key
     _check_output(p, "--save", args.save)
     _check_output(p, "--metrics", args.metrics)
-    if args.amp and not args.device.startswith("cuda"):
-        warnings.warn("--amp needs a CUDA device: running without autocast", stacklevel=2)
-        args.amp = False
-    return args
+    return opt.amp_only_on_cuda(args)
 
 
 def _stress_key(structures, key: Optional[str], what: str) -> Optional[str]:

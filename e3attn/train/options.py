@@ -8,13 +8,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from typing import Callable, NoReturn
 
 import torch
 
 __all__ = [
     "ArgumentParser", "fail", "device", "irreps", "positive_int", "non_negative_int", "positive_float",
-    "non_negative_float", "fraction", "add_model_options", "add_training_options",
+    "non_negative_float", "fraction", "add_model_options", "add_training_options", "amp_only_on_cuda",
 ]
 
 SCHEDULES = ("cosine", "plateau", "constant")
@@ -180,3 +181,20 @@ def add_training_options(p: argparse.ArgumentParser, epochs: int, time_budget: f
     p.add_argument("--amp", action="store_true", help="bfloat16 autocast (CUDA only)")
     p.add_argument("--ddp", action="store_true", help="DistributedDataParallel; launch with torchrun")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def amp_only_on_cuda(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with ``amp`` switched off, and a warning, unless ``args.device`` is a CUDA device.
+
+    Example::
+
+        >>> import warnings
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")
+        ...     amp_only_on_cuda(argparse.Namespace(amp=True, device="cpu")).amp
+        False
+    """
+    if args.amp and not args.device.startswith("cuda"):
+        warnings.warn("--amp needs a CUDA device: running in float32 on the CPU", stacklevel=3)
+        args.amp = False
+    return args
