@@ -31,13 +31,14 @@ from .model import build_model, evaluate
 
 __all__ = ["parse_args", "run", "main"]
 
+PROG = "e3attn-train"
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 UNITS = {"energy_mae_meV_per_atom": ("energy", "meV/atom"), "force_mae_meV_per_A": ("force", "meV/A"),
          "stress_mae_meV_per_A3": ("stress", "meV/A^3")}
 
 
 def _parser() -> opt.ArgumentParser:
-    p = opt.ArgumentParser(__doc__, prog="e3attn-train")
+    p = opt.ArgumentParser(__doc__, prog=PROG)
     p.add_argument("--config", metavar="YAML", help="options as a YAML mapping (command-line options win)")
     p.add_argument("--train-file", required=True, help="training structures (any file ASE reads)")
     p.add_argument("--valid-file", help="validation structures (default: --valid-fraction of the training file)")
@@ -192,6 +193,6 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     try:
         return run(args)
     except DataError as err:
-        opt.fail(str(err))
+        opt.fail(str(err), prog=PROG)
     finally:
         torch.set_default_dtype(default)

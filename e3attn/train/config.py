@@ -15,7 +15,7 @@ def _options(parser: argparse.ArgumentParser) -> dict:
 
 
 def config_arguments(parser: argparse.ArgumentParser, path: str) -> List[str]:
-    """The command-line arguments equivalent to the YAML file ``path`` (a mapping of option names to values).
+    r"""The command-line arguments equivalent to the YAML file ``path`` (a mapping of option names to values).
 
     ``true``/``false`` switch a flag (``amp: true`` is ``--amp``); ``null`` leaves the default. Raises
     :class:`ValueError` naming the file and the key that is not an option, or a malformed file.

@@ -63,6 +63,8 @@ def read_structures(path: str, what: str = "--train-file"):
 
     if not os.path.isfile(path):
         raise DataError(f"{what}: no such file {path!r}")
+    if os.path.getsize(path) == 0:
+        raise DataError(f"{what}: {path!r} holds no structures")
     try:
         structures = read(path, index=":")
     except Exception as err:  # ASE raises many types for a file it cannot parse

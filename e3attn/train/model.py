@@ -69,11 +69,12 @@ def predict(model: torch.nn.Module, batch: dict, units: dict, amp: bool = False,
             energy, forces, stress = energy_forces_stress(model, batch["pos"], **graph)
         else:
             energy, forces = energy_and_forces(model, batch["pos"], **graph)
-    refs = torch.tensor(units["energy_references"], dtype=torch.float32, device=energy.device)
-    reference = torch.zeros_like(energy, dtype=torch.float32).index_add_(0, batch["batch"], refs[batch["species"]])
+    dtype = batch["pos"].dtype  # that of the data, also when autocast computed in bfloat16
+    refs = torch.tensor(units["energy_references"], dtype=dtype, device=energy.device)
+    reference = torch.zeros_like(energy, dtype=dtype).index_add_(0, batch["batch"], refs[batch["species"]])
     scale = units["energy_scale"]
-    stress = None if stress is None else scale * stress.float()
-    return scale * energy.float() + reference, scale * forces.float(), stress
+    stress = None if stress is None else scale * stress.to(dtype)
+    return scale * energy.to(dtype) + reference, scale * forces.to(dtype), stress
 
 
 def loss_fn(prediction: Tuple, batch: dict, units: dict, force_weight: float, energy_weight: float = 1.0,

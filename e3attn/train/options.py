@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 import warnings
-from typing import Callable, NoReturn
+from typing import Callable, NoReturn, Optional
 
 import torch
 
@@ -40,8 +40,8 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def fail(message: str) -> NoReturn:
-    """Stop with one line on stderr (``<program>: error: <message>``) and exit status 2.
+def fail(message: str, prog: Optional[str] = None) -> NoReturn:
+    """Stop with one line on stderr (``<prog>: error: <message>``, default: the script's name) and exit status 2.
 
     Example::
 
@@ -51,7 +51,7 @@ def fail(message: str) -> NoReturn:
         ...     print(stop.code)
         2
     """
-    print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
+    print(f"{prog or os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
     raise SystemExit(2)
 
 
