@@ -5,9 +5,9 @@ fits a reference energy per element, trains within a number of epochs or a time 
 validation loss and writes a checkpoint that :meth:`e3attn.calculator.E3AttnCalculator.from_checkpoint` reads.
 Its parts are importable for your own scripts (``examples/molecules.py`` uses them):
 
-* :mod:`e3attn.train.data`: structures as tensors with their graphs, batches, reference energies;
-* :mod:`e3attn.train.model`: the energy model, predictions in eV, the loss, errors on a data set;
-* :mod:`e3attn.train.loop`: the training loop (schedule, budget, best model, AMP, DDP, progress bar);
+* ``e3attn.train.data``: structures as tensors with their graphs, batches, reference energies;
+* ``e3attn.train.model``: the energy model, predictions in eV, the loss, errors on a data set;
+* ``e3attn.train.loop``: the training loop (schedule, budget, best model, AMP, DDP, progress bar);
 * :mod:`e3attn.train.options`: the command-line options shared with the examples.
 
 Reading files needs ASE (``pip install 'e3attn[train]'``: ASE, tqdm for the progress bar, PyYAML for ``--config``).

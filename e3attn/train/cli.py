@@ -29,7 +29,7 @@ from .data import DataError, LabelKeys, fit_references, mean_neighbors, read_str
 from .loop import fit, init_distributed
 from .model import build_model, evaluate
 
-__all__ = ["parse_args", "run", "main"]
+__all__ = ["parse_args", "load_data", "run", "main"]
 
 PROG = "e3attn-train"
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -137,15 +137,16 @@ def _line(split: str, errors: dict) -> str:
     return f"{split}: " + ", ".join(f"{UNITS[k][0]} MAE {errors[k]:.2f} {UNITS[k][1]}" for k in UNITS if k in errors)
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Read the data, train, evaluate, print one line per split, write ``--save`` and ``--metrics``; returns the
-    metrics. Raises :class:`~e3attn.train.DataError` on data that cannot be trained on."""
+def load_data(args: argparse.Namespace):
+    """``(species, samples, units)`` of the options: the elements of the training file (by atomic number), the
+    samples of the splits ``train``, ``valid`` (maybe empty) and ``test`` (when given), and the reference energies
+    and scale fitted on ``train``; ``args.avg_num_neighbors`` becomes a number. Raises
+    :class:`~e3attn.train.DataError` on data that cannot be trained on."""
     from ase.data import atomic_numbers
 
     train_structures = read_structures(args.train_file, "--train-file")
     keys = LabelKeys(args.energy_key, args.forces_key, _stress_key(train_structures, args.stress_key, "--train-file"))
     species = sorted(set().union(*(a.get_chemical_symbols() for a in train_structures)), key=atomic_numbers.get)
-    rank, world, device = init_distributed(args)
     samples = {"train": _samples(train_structures, "--train-file", args.train_file, species, args, keys)}
     samples["train"], samples["valid"] = split(samples["train"], args.valid_fraction or 0.0, args.seed)
     if not samples["train"]:
@@ -158,13 +159,22 @@ def run(args: argparse.Namespace) -> dict:
     units = fit_references(samples["train"], species, args.energy_scale)
     if args.avg_num_neighbors == "auto":
         args.avg_num_neighbors = mean_neighbors(samples["train"])
+    return species, samples, units
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Read the data (:func:`load_data`), train, evaluate, print one line per split, write ``--save`` and
+    ``--metrics``; returns the metrics. Raises :class:`~e3attn.train.DataError` on data that cannot be trained on."""
+    species, samples, units = load_data(args)
+    rank, world, device = init_distributed(args)
     torch.manual_seed(args.seed)
     module = build_model(args, len(species)).to(device)
     model = torch.nn.parallel.DistributedDataParallel(
         module, device_ids=[device.index] if device.type == "cuda" else None) if args.ddp else module
     result = fit(model, samples["train"], units, args, device, rank, world, valid_set=samples["valid"] or None)
     metrics = {"species": species, "epochs": len(result.train_losses), "best_epoch": result.best_epoch,
-               "train_seconds": result.seconds, "num_train": len(samples["train"]), "world_size": world}
+               "train_seconds": result.seconds, "num_train": len(samples["train"]), "world_size": world,
+               "parameters": sum(p.numel() for p in module.parameters())}
     for name in ("valid", "test"):
         if samples.get(name) and rank == 0:
             errors = evaluate(module, samples[name], units, device, args.amp)

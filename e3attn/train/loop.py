@@ -85,7 +85,7 @@ def fit(model: torch.nn.Module, train_set: Sequence[dict], units: dict, args: ar
     weights of the epoch of least validation loss.
 
     Adam with the learning rate ``args.lr`` and the schedule ``args.schedule`` (cosine: :math:`\eta =
-    \eta_0 (1 + \cos \pi t) / 2` with :math:`t` the fraction done, :func:`progress`), batches of
+    \eta_0 (1 + \cos \pi t) / 2` with :math:`t` the fraction done of the epochs or of the time budget), batches of
     ``args.batch_size`` shuffled with ``args.seed``, the loss :func:`~e3attn.train.loss_fn` with
     ``args.force_weight``, ``args.energy_weight`` (and ``args.stress_weight`` when the samples have stress).
     With ``args.time_budget`` no epoch starts that would not end within it (validation included).

@@ -90,6 +90,7 @@ def _number(convert: Callable, test: Callable, expected: str) -> Callable[[str],
         return number
 
     parse.__name__ = expected.replace(" ", "_")
+    parse.__doc__ = f"argparse type: {expected} (returned as a number), else a one-line error saying so."
     return parse
 
 
