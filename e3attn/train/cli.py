@@ -198,6 +198,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     """The command ``e3attn-train`` (``python -m e3attn.train``): :func:`parse_args` then :func:`run`, with the
     default dtype set to ``--dtype`` meanwhile; bad data stop it with one line and exit status 2."""
     args = parse_args(argv)
+    try:
+        import ase  # noqa: F401
+    except ImportError:
+        opt.fail("reading the data needs ASE: pip install ase (or pip install 'e3attn[train]')", prog=PROG)
     default = torch.get_default_dtype()
     torch.set_default_dtype(DTYPES[args.dtype])
     try:
