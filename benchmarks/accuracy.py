@@ -11,6 +11,13 @@ after the other in one process, and evaluated on the same held-out structures:
   cutoff, **summed** over the neighbours (divided by a constant), a linear map, a species-dependent
   self-connection and a gate; a two-layer readout gives the energy of every atom.
 
+With ``--organic NAME ...`` the data are instead the GFN2-xTB sets of ``benchmarks/organic_data.py``
+(``<--data>/<NAME>_train.xyz`` and ``_test.xyz``, keys ``REF_energy`` / ``REF_forces``): e3attn is trained by the
+training command, ``python -m e3attn.train`` in a process of its own with its defaults (or the options after
+``--``), 5% of the training file for validation, the best model by validation loss; the peer is trained on the
+same split with the same loop (:mod:`e3attn.train`), both within ``--time-budget`` seconds, and both are evaluated
+on the test file. MACE is not run here (it needs its own environment).
+
 Prints a table and writes JSON (``--out``, default ``benchmarks/results/accuracy.json``) with the
 energy MAE (meV/atom), force MAE (meV/A), parameters, epochs and training time of each model.
 
@@ -19,14 +26,18 @@ Usage::
     OMP_NUM_THREADS=1 python benchmarks/accuracy.py --time-budget 240
     OMP_NUM_THREADS=1 python benchmarks/accuracy.py --time-budget 240 -- --hidden "32x0e + 16x1o"
     python benchmarks/accuracy.py --quick      # seconds: tiny data and models (the test suite's smoke run)
+    OMP_NUM_THREADS=2 python benchmarks/accuracy.py --organic aspirin ethanol --threads 2 --time-budget 600
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import platform
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -161,7 +172,15 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     p.add_argument("--peer-lmax", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="tiny data, models and budget (seconds; for the tests)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "accuracy.json")
+    p.add_argument("--organic", nargs="+", metavar="NAME", default=None,
+                   help="train on <--data>/<NAME>_train.xyz, test on _test.xyz (benchmarks/organic_data.py) with the "
+                        "training command, instead of the EMT data")
+    p.add_argument("--data", type=Path, default=ROOT / "benchmarks" / "data" / "organic",
+                   help="folder of the --organic files")
     args = p.parse_args(own)
+    if args.organic:
+        args.passed = passed
+        return args
     options = ["--device", "cpu", "--quiet", "--epochs", str(args.epochs), "--time-budget", str(args.time_budget)]
     if args.quick:
         options += ["--smoke"]
@@ -172,9 +191,82 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     return args
 
 
+def training_command(name: str, args) -> List[str]:
+    """The options of ``e3attn-train`` for the organic set ``name`` (the command's defaults otherwise)."""
+    options = ["--train-file", str(args.data / f"{name}_train.xyz"), "--test-file", str(args.data / f"{name}_test.xyz"),
+               "--energy-key", "REF_energy", "--forces-key", "REF_forces", "--device", "cpu", "--quiet",
+               "--time-budget", str(args.time_budget), "--epochs", str(args.epochs)]
+    if args.quick:
+        options += ["--hidden", "4x0e + 4x1o", "--epochs", "2", "--valid-fraction", "0.25"]
+    return options + args.passed
+
+
+def run_command(options: List[str], threads: int) -> dict:
+    """Run ``python -m e3attn.train options`` in its own process (this checkout's e3attn); returns its metrics."""
+    with tempfile.TemporaryDirectory() as folder:
+        metrics = Path(folder) / "metrics.json"
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads),
+                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        done = subprocess.run([sys.executable, "-m", "e3attn.train", *options, "--metrics", str(metrics)], env=env,
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"e3attn-train failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+        print(done.stdout.strip(), flush=True)
+        return json.loads(metrics.read_text())
+
+
+def organic_rows(args) -> List[dict]:
+    """Per molecule of ``--organic``: e3attn by the training command, the peer by e3attn.train's loop on the
+    same split, data and budget."""
+    from e3attn.train import cli, evaluate, fit
+
+    rows: List[dict] = []
+    for name in args.organic:
+        options = training_command(name, args)
+        for model_name in args.models:
+            if model_name == "e3attn":
+                metrics = run_command(options, args.threads)
+                params = metrics["parameters"]
+            else:
+                command = cli.parse_args(options)
+                species, samples, units = cli.load_data(command)
+                args.avg_num_neighbors, args.max_radius = command.avg_num_neighbors, command.max_radius
+                torch.manual_seed(command.seed)
+                model = NequIPStyle(len(species), args.peer_hidden, args.max_radius, num_layers=args.peer_layers,
+                                    lmax=args.peer_lmax, avg_num_neighbors=args.avg_num_neighbors)
+                result = fit(model, samples["train"], units, command, torch.device("cpu"),
+                             valid_set=samples["valid"] or None)
+                test = evaluate(model, samples["test"], units, torch.device("cpu"))
+                metrics = {"epochs": len(result.train_losses), "train_seconds": result.seconds,
+                           "num_train": len(samples["train"]),
+                           "test": {k: v for k, v in test.items() if not k.startswith(("true_", "pred_"))}}
+                params = sum(p.numel() for p in model.parameters())
+            rows.append({"molecule": name, "model": model_name, "parameters": params, "epochs": metrics["epochs"],
+                         "train_seconds": metrics["train_seconds"], "num_train": metrics["num_train"],
+                         "num_test": metrics["test"]["num_structures"],
+                         "energy_mae_meV_per_atom": metrics["test"]["energy_mae_meV_per_atom"],
+                         "force_mae_meV_per_A": metrics["test"]["force_mae_meV_per_A"]})
+            r = rows[-1]
+            print(f"{name:14s} {model_name:8s} {r['epochs']:4d} epochs {r['train_seconds']:7.1f} s   "
+                  f"test energy MAE {r['energy_mae_meV_per_atom']:.2f} meV/atom, "
+                  f"force MAE {r['force_mae_meV_per_A']:.2f} meV/A", flush=True)
+    return rows
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.organic:
+        if args.quick:
+            args.peer_hidden, args.peer_layers = "4x0e + 2x1o", 1
+        report = {"meta": {"machine": cpu_name(), "python": platform.python_version(), "torch": torch.__version__,
+                           "threads": args.threads, "time_budget_s": args.time_budget, "data": str(args.data),
+                           "training_command_options": args.passed,
+                           "peer": {"hidden": args.peer_hidden, "layers": args.peer_layers, "lmax": args.peer_lmax}},
+                  "results": organic_rows(args)}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1))
+        return report
     train_args = args.train_args
     def samples(num: int, seed: int) -> list:
         return [molecules.to_sample(a, train_args.max_radius) for a in molecules.make_structures(num, seed)]
@@ -187,7 +279,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     for name in args.models:
         torch.manual_seed(train_args.seed)
         model = build(name, train_args if name == "e3attn" else args)
-        losses, seconds = molecules.fit(model, train_set, units, train_args, torch.device("cpu"))
+        losses, _, seconds, _ = molecules.fit(model, train_set, units, train_args, torch.device("cpu"))
         result = molecules.evaluate(model, test_set, units, torch.device("cpu"))
         rows.append({
             "model": name,

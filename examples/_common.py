@@ -1,14 +1,16 @@
 """Helpers shared by the examples: command-line options and their errors, devices, seeds, figures."""
-import argparse
 import json
 import os
 import pathlib
 import re
-import sys
 
 import torch
 
 from e3attn._files import atomic_write
+from e3attn.train import options
+from e3attn.train.options import (  # noqa: F401  (the examples' option types, shared with e3attn-train)
+    device, fail, irreps, non_negative_float, non_negative_int, positive_float, positive_int,
+)
 
 _ROLE = re.compile(r":[a-z]+:`(~?)([^`]+)`")  # :class:`~a.b.C`, :math:`x`
 _LATEX = {r"\partial ": "d", r"\partial": "d", r"\pm": "+-", r"\cdot": "*"}
@@ -23,68 +25,11 @@ def plain_text(doc: str) -> str:
     return text
 
 
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse with a plain-text description and errors as one line with exit status 2."""
+class ArgumentParser(options.ArgumentParser):
+    """argparse with a plain-text description (from a module docstring) and errors as one line with exit status 2."""
 
     def __init__(self, doc: str) -> None:
-        super().__init__(description=plain_text(doc), formatter_class=argparse.RawDescriptionHelpFormatter)
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def fail(message: str):
-    """Stop the script with one line on stderr and exit status 2 (a bad argument found after parsing)."""
-    print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-_AVAILABLE = {  # without touching the device: no CUDA context is created while parsing (torchrun ranks)
-    "cpu": lambda index: index in (None, 0),
-    "cuda": lambda index: torch.cuda.is_available() and (index or 0) < torch.cuda.device_count(),
-    "mps": lambda index: torch.backends.mps.is_available() and index in (None, 0),
-}
-
-
-def device(value: str) -> str:
-    """argparse type: a torch device present on this machine (returned as given)."""
-    try:
-        parsed = torch.device(value)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a torch device (e.g. cuda, cuda:1); try --device cpu") from None
-    if parsed.type not in _AVAILABLE or not _AVAILABLE[parsed.type](parsed.index):
-        raise argparse.ArgumentTypeError(f"{value!r} is not available on this machine; try --device cpu")
-    return value
-
-
-def _number(convert, test, expected: str):
-    def parse(value: str):
-        try:
-            number = convert(value)
-        except ValueError:
-            number = None
-        if number is None or not test(number):
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {value!r}")
-        return number
-
-    return parse
-
-
-positive_int = _number(int, lambda n: n > 0, "a positive integer")
-non_negative_int = _number(int, lambda n: n >= 0, "a non-negative integer")
-positive_float = _number(float, lambda x: 0 < x < float("inf"), "a positive number")
-non_negative_float = _number(float, lambda x: 0 <= x < float("inf"), "a non-negative number")
-
-
-def irreps(value: str) -> str:
-    """argparse type: e3nn irreps such as ``16x0e + 8x1o`` (returned as given)."""
-    from e3nn import o3
-
-    try:
-        o3.Irreps(value)
-    except (ValueError, AssertionError, TypeError):
-        raise argparse.ArgumentTypeError(f"expected e3nn irreps such as '16x0e + 8x1o', got {value!r}") from None
-    return value
+        super().__init__(plain_text(doc))
 
 
 def parser(doc: str) -> ArgumentParser:

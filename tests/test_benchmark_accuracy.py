@@ -36,6 +36,25 @@ def test_quick_run_trains_both_models_and_writes_json(bench, tmp_path):
     assert report["meta"]["num_train"] == 8 and report["meta"]["num_test"] == 4
 
 
+@pytest.mark.slow
+def test_quick_organic_run_trains_with_the_command_and_the_peer_on_the_same_split(bench, tmp_path, monkeypatch):
+    from ase.io import write
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parents[1] / "tests"))
+    from test_train import frames  # EMT clusters with REF_energy / REF_forces, the keys of organic_data.py
+
+    write(tmp_path / "tiny_train.xyz", frames(12, 0, ref_keys=True))
+    write(tmp_path / "tiny_test.xyz", frames(4, 1, ref_keys=True))
+    out = tmp_path / "organic.json"
+    report = bench.main(["--organic", "tiny", "--data", str(tmp_path), "--quick", "--time-budget", "60",
+                         "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert [(r["molecule"], r["model"]) for r in report["results"]] == [("tiny", "e3attn"), ("tiny", "nequip")]
+    for row in report["results"]:
+        assert row["epochs"] == 2 and row["num_train"] == 9 and row["num_test"] == 4 and row["parameters"] > 0
+        assert math.isfinite(row["force_mae_meV_per_A"]) and row["force_mae_meV_per_A"] > 0
+
+
 def peer(bench):
     torch.manual_seed(0)
     return bench.NequIPStyle(3, "4x0e + 2x0o + 2x1o + 2x1e", 1.6, num_layers=2, lmax=2).double()

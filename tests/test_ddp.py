@@ -71,3 +71,47 @@ def test_torchrun_launch(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "held-out" in done.stdout and (tmp_path / "parity.png").exists()
+
+
+def train_command_replica(rank: int, world_size: int, port: int, folder: str, data: str) -> None:
+    """One torchrun-like process of ``e3attn-train --ddp``; its metrics written to ``folder``."""
+    import json
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    from e3attn.train import cli
+
+    metrics = cli.main(["--train-file", data, "--test-file", data, "--ddp", "--save", f"{folder}/model.pt",
+                        "--hidden", "8x0e + 4x1o", "--heads", "2", "--epochs", "2", "--batch-size", "2",
+                        "--device", "cpu", "--quiet", "--valid-fraction", "0.25"])
+    with open(f"{folder}/rank{rank}.json", "w") as file:
+        json.dump(metrics, file)
+
+
+@pytest.mark.slow
+def test_training_command_under_ddp(tmp_path):
+    import json
+
+    from ase.calculators.emt import EMT
+    from ase.calculators.singlepoint import SinglePointCalculator
+    from ase.cluster import Icosahedron
+    from ase.io import write
+
+    from e3attn.calculator import E3AttnCalculator
+
+    frames = []
+    for seed in range(8):
+        atoms = Icosahedron("Cu", 2)
+        atoms.rattle(0.1, seed=seed)
+        atoms.calc = EMT()
+        atoms.calc = SinglePointCalculator(atoms, energy=atoms.get_potential_energy(), forces=atoms.get_forces())
+        frames.append(atoms)
+    write(tmp_path / "data.xyz", frames)
+    mp.spawn(train_command_replica, args=(2, free_port(), str(tmp_path), str(tmp_path / "data.xyz")), nprocs=2,
+             join=True)
+    first, second = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert first["world_size"] == second["world_size"] == 2 and first["epochs"] == second["epochs"] == 2
+    assert first["best_epoch"] == second["best_epoch"]  # the validation losses are synchronised
+    assert "test" in first and "test" not in second  # rank 0 evaluates and writes
+    assert E3AttnCalculator.from_checkpoint(tmp_path / "model.pt").species == ["Cu"]

@@ -15,7 +15,8 @@ import e3attn
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 README = DOCS.parent / "README.md"
-PACKAGES = ["e3attn", "e3attn.testing", "e3attn.viz", "e3attn.models", "e3attn.calculator"]
+PACKAGES = ["e3attn", "e3attn.testing", "e3attn.viz", "e3attn.models", "e3attn.calculator", "e3attn.train",
+            "e3attn.train.cli", "e3attn.train.options", "e3attn.train.config"]
 
 
 def documented_modules() -> set:

@@ -115,7 +115,7 @@ def test_molecules_smoke_train_save_predict(examples, tmp_path):
     predicted = molecules.main(["--predict", str(checkpoint), "--structures", str(tmp_path / "structures.xyz"),
                                 "--device", "cpu"])
     samples = [molecules.to_sample(a, model.max_radius) for a in structures]
-    expected, _ = molecules.predict(model.eval(), molecules.collate(samples), extra)  # batched, without ASE
+    expected = molecules.predict(model.eval(), molecules.collate(samples), extra)[0]  # batched, without ASE
     torch.testing.assert_close(torch.tensor(predicted["energies"], dtype=torch.float64), expected.detach().double(), atol=1e-4, rtol=0)
     assert predicted["force_mae_meV_per_A"] > 0  # the xyz file carries the EMT labels
 
@@ -140,9 +140,9 @@ def test_molecules_batches_equal_single_structures(examples):
     units = molecules.fit_references(samples)
     torch.manual_seed(0)
     model = molecules.build_model(molecules.parse_args([])).eval()
-    energy, forces = molecules.predict(model, molecules.collate(samples), units)
+    energy, forces, _ = molecules.predict(model, molecules.collate(samples), units)
     for i, s in enumerate(samples):
-        e, f = molecules.predict(model, molecules.collate([s]), units)
+        e, f, _ = molecules.predict(model, molecules.collate([s]), units)
         torch.testing.assert_close(e, energy[i : i + 1], atol=1e-4, rtol=1e-6)
         n0 = sum(t["pos"].shape[0] for t in samples[:i])
         torch.testing.assert_close(f, forces[n0 : n0 + s["pos"].shape[0]], atol=1e-4, rtol=1e-5)

@@ -1,0 +1,155 @@
+r"""The training loop: Adam, a learning-rate schedule over the epochs or the time budget, the best model by
+validation loss, bfloat16 autocast, DistributedDataParallel under ``torchrun``, and a progress bar."""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from typing import List, NamedTuple, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+
+from .data import collate
+from .model import evaluate, loss_fn, predict, to_device
+
+__all__ = ["FitResult", "fit", "init_distributed", "synced_max", "progress"]
+
+
+class FitResult(NamedTuple):
+    """What :func:`fit` did: the mean training loss and validation loss of every epoch (no validation: an empty
+    list), the seconds taken, and the epoch (from 1) whose weights the model holds now."""
+
+    train_losses: List[float]
+    valid_losses: List[float]
+    seconds: float
+    best_epoch: int
+
+
+def init_distributed(args: argparse.Namespace):
+    """``(rank, world_size, device)``; with ``args.ddp``, joins the process group torchrun set up (nccl on GPUs,
+    gloo on CPUs) and takes the GPU of ``LOCAL_RANK``."""
+    device = torch.device(args.device)
+    if not args.ddp:
+        return 0, 1, device
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend)
+    if device.type == "cuda":
+        device = torch.device("cuda", dist.get_node_local_rank(fallback_rank=0))  # torchrun's LOCAL_RANK
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def synced_max(value: float, ddp: bool, device) -> float:
+    """``value``, the largest over the processes with ``ddp`` (so that every replica takes the same decisions).
+
+    Example::
+
+        >>> synced_max(2.5, ddp=False, device="cpu")
+        2.5
+    """
+    if not ddp:
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.item()
+
+
+def progress(args: argparse.Namespace, epochs_done: float, seconds: float) -> float:
+    """Fraction of the training done: of ``args.epochs``, or of ``args.time_budget`` when that runs out first.
+
+    Example::
+
+        >>> progress(argparse.Namespace(epochs=10, time_budget=100.0), epochs_done=2, seconds=50.0)
+        0.5
+    """
+    done = epochs_done / args.epochs
+    if args.time_budget:
+        done = max(done, seconds / args.time_budget)
+    return min(done, 1.0)
+
+
+def _bar(epochs: int, disable: bool):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the progress bar is optional
+        return None
+    return tqdm(total=epochs, desc="training", disable=disable)
+
+
+def fit(model: torch.nn.Module, train_set: Sequence[dict], units: dict, args: argparse.Namespace, device,
+        rank: int = 0, world: int = 1, valid_set: Optional[Sequence[dict]] = None) -> FitResult:
+    r"""Train ``model`` (DDP-wrapped with ``args.ddp``) on ``train_set``; with ``valid_set``, it ends with the
+    weights of the epoch of least validation loss.
+
+    Adam with the learning rate ``args.lr`` and the schedule ``args.schedule`` (cosine: :math:`\eta =
+    \eta_0 (1 + \cos \pi t) / 2` with :math:`t` the fraction done of the epochs or of the time budget), batches of
+    ``args.batch_size`` shuffled with ``args.seed``, the loss :func:`~e3attn.train.loss_fn` with
+    ``args.force_weight``, ``args.energy_weight`` (and ``args.stress_weight`` when the samples have stress).
+    With ``args.time_budget`` no epoch starts that would not end within it (validation included).
+
+    Example::
+
+        >>> from ase.build import molecule
+        >>> from ase.calculators.singlepoint import SinglePointCalculator
+        >>> from e3attn.models import EquivariantTransformer
+        >>> from e3attn.train import fit_references, to_sample
+        >>> atoms = molecule("H2O")
+        >>> atoms.calc = SinglePointCalculator(atoms, energy=-14.0, forces=torch.ones(3, 3).numpy())
+        >>> samples = [to_sample(atoms, ["H", "O"], 2.0)] * 4
+        >>> model = EquivariantTransformer("1x0e", "8x0e + 4x1o", "0e", 2.0, irreps_node_attr="2x0e", reduce="sum")
+        >>> args = argparse.Namespace(epochs=2, time_budget=0, batch_size=2, seed=0, lr=1e-2, schedule="cosine",
+        ...     force_weight=3.0, energy_weight=1.0, amp=False, ddp=False, quiet=True)
+        >>> result = fit(model, samples, fit_references(samples, ["H", "O"]), args, "cpu", valid_set=samples[:1])
+        >>> len(result.train_losses), len(result.valid_losses), result.best_epoch in (1, 2)
+        (2, 2, True)
+    """
+    sampler = DistributedSampler(train_set, world, rank, shuffle=True, seed=args.seed) if args.ddp else None
+    loader = DataLoader(train_set, args.batch_size, shuffle=sampler is None, sampler=sampler, collate_fn=collate,
+                        generator=torch.Generator().manual_seed(args.seed))
+    module = getattr(model, "module", model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=3) \
+        if args.schedule == "plateau" else None
+    weights = dict(force_weight=args.force_weight, energy_weight=args.energy_weight,
+                   stress_weight=getattr(args, "stress_weight", 1.0))
+    bar = _bar(args.epochs, disable=rank != 0 or args.quiet)
+    losses, valid_losses, best = [], [], (math.inf, 0, None)
+    start, epoch_time = time.perf_counter(), 0.0
+    for epoch in range(args.epochs):
+        elapsed = synced_max(time.perf_counter() - start, args.ddp, device)
+        if args.time_budget and epoch > 0 and elapsed + epoch_time > args.time_budget:
+            break  # the next epoch would not finish within the budget
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        model.train()
+        total = 0.0
+        for step, batch in enumerate(loader):
+            if args.schedule == "cosine":
+                done = progress(args, epoch + step / len(loader), elapsed + step / len(loader) * epoch_time)
+                for group in optimizer.param_groups:
+                    group["lr"] = args.lr * 0.5 * (1.0 + math.cos(math.pi * done))
+            batch = to_device(batch, device)
+            loss = loss_fn(predict(model, batch, units, args.amp, create_graph=True), batch, units, **weights)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            total += loss.item()
+        losses.append(total / len(loader))
+        if plateau is not None:
+            plateau.step(synced_max(losses[-1], args.ddp, device))
+        if valid_set:
+            valid_losses.append(synced_max(evaluate(module, valid_set, units, device, args.amp, weights=weights)["loss"],
+                                           args.ddp, device))
+            if valid_losses[-1] < best[0]:
+                best = (valid_losses[-1], epoch + 1, {k: v.detach().clone() for k, v in module.state_dict().items()})
+        epoch_time = synced_max(time.perf_counter() - start, args.ddp, device) - elapsed
+        if bar is not None:
+            bar.update()
+            bar.set_postfix(loss=f"{losses[-1]:.3e}", **({"valid": f"{valid_losses[-1]:.3e}"} if valid_set else {}))
+    if bar is not None:
+        bar.close()
+    if best[2] is not None:
+        module.load_state_dict(best[2])
+    return FitResult(losses, valid_losses, time.perf_counter() - start, best[1] if best[2] is not None else len(losses))

@@ -1,0 +1,201 @@
+r"""Command-line options of the training command and of the examples: types, one-line errors, shared options.
+
+Every option type here raises :class:`argparse.ArgumentTypeError` with what was expected and what was given, so
+that :class:`ArgumentParser` prints one line and exits with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from typing import Callable, NoReturn, Optional
+
+import torch
+
+__all__ = [
+    "ArgumentParser", "fail", "device", "irreps", "positive_int", "non_negative_int", "positive_float",
+    "non_negative_float", "fraction", "add_model_options", "add_training_options", "amp_only_on_cuda",
+]
+
+SCHEDULES = ("cosine", "plateau", "constant")
+ENERGY_SCALES = ("force_rms", "energy_std")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line on stderr and exit status 2, with a verbatim description.
+
+    Example::
+
+        >>> p = ArgumentParser("Train.")
+        >>> _ = p.add_argument("--epochs", type=positive_int, default=3)
+        >>> p.parse_args([]).epochs
+        3
+    """
+
+    def __init__(self, description: str, **kwargs) -> None:
+        super().__init__(description=description, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def fail(message: str, prog: Optional[str] = None) -> NoReturn:
+    """Stop with one line on stderr (``<prog>: error: <message>``, default: the script's name) and exit status 2.
+
+    Example::
+
+        >>> try:
+        ...     fail("--train-file: no such file 'x.xyz'")
+        ... except SystemExit as stop:
+        ...     print(stop.code)
+        2
+    """
+    print(f"{prog or os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+_AVAILABLE = {  # without touching the device: no CUDA context is created while parsing (torchrun ranks)
+    "cpu": lambda index: index in (None, 0),
+    "cuda": lambda index: torch.cuda.is_available() and (index or 0) < torch.cuda.device_count(),
+    "mps": lambda index: torch.backends.mps.is_available() and index in (None, 0),
+}
+
+
+def device(value: str) -> str:
+    """argparse type: a torch device present on this machine (returned as given).
+
+    Example::
+
+        >>> device("cpu")
+        'cpu'
+    """
+    try:
+        parsed = torch.device(value)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a torch device (e.g. cuda, cuda:1); try --device cpu") from None
+    if parsed.type not in _AVAILABLE or not _AVAILABLE[parsed.type](parsed.index):
+        raise argparse.ArgumentTypeError(f"{value!r} is not available on this machine; try --device cpu")
+    return value
+
+
+def _number(convert: Callable, test: Callable, expected: str) -> Callable[[str], float]:
+    def parse(value: str):
+        try:
+            number = convert(value)
+        except ValueError:
+            number = None
+        if number is None or not test(number):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value!r}")
+        return number
+
+    parse.__name__ = expected.replace(" ", "_")
+    parse.__doc__ = f"argparse type: {expected} (returned as a number), else a one-line error saying so."
+    return parse
+
+
+positive_int = _number(int, lambda n: n > 0, "a positive integer")
+non_negative_int = _number(int, lambda n: n >= 0, "a non-negative integer")
+positive_float = _number(float, lambda x: 0 < x < float("inf"), "a positive number")
+non_negative_float = _number(float, lambda x: 0 <= x < float("inf"), "a non-negative number")
+fraction = _number(float, lambda x: 0 <= x < 1, "a number in [0, 1)")
+
+
+def irreps(value: str) -> str:
+    """argparse type: e3nn irreps such as ``16x0e + 8x1o`` (returned as given).
+
+    Example::
+
+        >>> irreps("16x0e + 8x1o")
+        '16x0e + 8x1o'
+    """
+    from e3nn import o3
+
+    try:
+        o3.Irreps(value)
+    except (ValueError, AssertionError, TypeError):
+        raise argparse.ArgumentTypeError(f"expected e3nn irreps such as '16x0e + 8x1o', got {value!r}") from None
+    return value
+
+
+def _neighbors(value: str):
+    return value if value == "auto" else _number(float, lambda x: 0 < x < float("inf"), "a positive number or 'auto'")(value)
+
+
+def add_model_options(p: argparse.ArgumentParser, avg_num_neighbors="auto") -> None:
+    """The options of the :class:`~e3attn.models.EquivariantTransformer` energy model (defaults: the EMT example's).
+
+    ``avg_num_neighbors``: the default of ``--avg-num-neighbors``, a number or ``"auto"`` (the training set's mean).
+
+    Example::
+
+        >>> p = ArgumentParser("Train.")
+        >>> add_model_options(p)
+        >>> p.parse_args(["--max-radius", "5"]).max_radius
+        5.0
+    """
+    p.add_argument("--max-radius", type=positive_float, default=4.0, help="cutoff in Angstrom")
+    p.add_argument("--hidden", type=irreps, default="16x0e + 8x1o", help="hidden irreps")
+    p.add_argument("--layers", type=positive_int, default=1, help="attention blocks")
+    p.add_argument("--heads", type=positive_int, default=4,
+                   help="attention heads (must divide every multiplicity of --hidden)")
+    p.add_argument("--lmax", type=non_negative_int, default=1, help="largest degree of the edge harmonics")
+    p.add_argument("--radial-neurons", type=positive_int, default=16, help="hidden size of the radial MLPs")
+    p.add_argument("--basis", choices=("smooth_finite", "gaussian", "bessel"), default="bessel",
+                   help="radial basis of the edge lengths")
+    p.add_argument("--density", type=non_negative_int, default=32, metavar="K",
+                   help="neighbour-density channels per block (0: attention only)")
+    p.add_argument("--avg-num-neighbors", type=_neighbors, default=avg_num_neighbors,
+                   help="normalisation of the density sums ('auto': the mean number of neighbours within the "
+                        "cutoff in the training set)")
+    p.add_argument("--layer-norm", choices=("post", "pre", "none"), default="post",
+                   help="equivariant layer norm after every block, on every block's input, or none")
+
+
+def add_training_options(p: argparse.ArgumentParser, epochs: int, time_budget: float) -> None:
+    """The options of :func:`e3attn.train.fit`: epochs, budget, batches, optimiser, loss, AMP, DDP, progress bar.
+
+    Example::
+
+        >>> p = ArgumentParser("Train.")
+        >>> add_training_options(p, epochs=100, time_budget=210.0)
+        >>> args = p.parse_args(["--lr", "0.005"])
+        >>> args.lr, args.epochs, args.schedule
+        (0.005, 100, 'cosine')
+    """
+    p.add_argument("--epochs", type=positive_int, default=epochs, help="at most this many epochs")
+    p.add_argument("--batch-size", type=positive_int, default=8,
+                   help="structures per batch (per process with --ddp)")
+    p.add_argument("--time-budget", type=non_negative_float, default=time_budget, metavar="SECONDS",
+                   help="stop training after this many seconds, 0 for no limit (the learning rate schedule "
+                        f"follows the time; default {time_budget:g})")
+    p.add_argument("--lr", type=positive_float, default=1e-2, help="Adam learning rate")
+    p.add_argument("--schedule", choices=SCHEDULES, default="cosine",
+                   help="learning rate: cosine decay to 0 over the epochs (or the time budget), "
+                        "halving on a plateau of the training loss, or constant")
+    p.add_argument("--force-weight", type=non_negative_float, default=3.0, help="weight of the force term")
+    p.add_argument("--energy-weight", type=non_negative_float, default=1.0,
+                   help="weight of the energy-per-atom term")
+    p.add_argument("--energy-scale", choices=ENERGY_SCALES, default="force_rms",
+                   help="unit of the model's output energy: the RMS force component (times 1 Angstrom) or the "
+                        "standard deviation of the energy per atom after the per-element references")
+    p.add_argument("--amp", action="store_true", help="bfloat16 autocast (CUDA only)")
+    p.add_argument("--ddp", action="store_true", help="DistributedDataParallel; launch with torchrun")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def amp_only_on_cuda(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with ``amp`` switched off, and a warning, unless ``args.device`` is a CUDA device.
+
+    Example::
+
+        >>> import warnings
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")
+        ...     amp_only_on_cuda(argparse.Namespace(amp=True, device="cpu")).amp
+        False
+    """
+    if args.amp and not args.device.startswith("cuda"):
+        warnings.warn("--amp needs a CUDA device: running in float32 on the CPU", stacklevel=3)
+        args.amp = False
+    return args
