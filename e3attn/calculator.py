@@ -49,10 +49,10 @@ __all__ = ["E3AttnCalculator", "DEFAULT_SKIN"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-#: The default skin of the neighbour list, in Angstrom: atoms of copper at 300 K move about 0.03 Angstrom per
-#: femtosecond, so the list lasts ten or more steps of 1 fs; the search, at the cutoff plus the skin, then finds
-#: ``((r_max + 0.5) / r_max)**3`` = 1.42 times the edges at r_max = 4 (only the candidates: the model sees the edges
-#: within the cutoff).
+#: The default skin of the neighbour list, in Angstrom. Copper at 300 K moves about 0.003 Angstrom per femtosecond
+#: and vibrates about 0.1 Angstrom about its sites, so in a solid or a liquid the list lasts tens to hundreds of 1 fs
+#: steps; the search, at the cutoff plus the skin, finds ``((r_max + 0.5) / r_max)**3`` = 1.42 times the edges at
+#: r_max = 4 Angstrom, but these are only candidates, filtered once per call: the model sees the edges within r_max.
 DEFAULT_SKIN = 0.5
 
 
@@ -138,7 +138,7 @@ class E3AttnCalculator(Calculator):
         device: where to run the model (default: where its parameters are).
         dtype: the dtype to run the model in (default: that of its parameters); results are float64.
         skin: the skin :math:`\delta` of the neighbour list in Å, a non-negative number (default
-            :data:`DEFAULT_SKIN` = 0.5: a 300 K metal's atoms need ten or more 1 fs steps to move
+            :data:`DEFAULT_SKIN` = 0.5: a 300 K metal's atoms need tens of 1 fs steps or more to move
             :math:`\delta / 2`); 0 searches anew for every configuration.
 
     Attributes:
