@@ -26,10 +26,11 @@ This module needs ASE (``pip install ase``); importing it without ASE raises an 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from numbers import Integral, Real
-from typing import Mapping, Optional, Sequence, Tuple, Union
+from typing import Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -40,7 +41,7 @@ try:
 except ImportError as error:  # pragma: no cover - exercised only without ASE
     raise ImportError("e3attn.calculator needs ASE: pip install ase (or pip install 'e3attn[examples]')") from error
 
-from ._checks import check_real
+from ._checks import check_real, values_checked_by_caller
 from ._verlet import VerletList
 from .models.checkpoint import load_checkpoint
 from .models.energy import energy_and_forces, energy_forces_stress
@@ -71,6 +72,20 @@ def _atomic_numbers(species: Sequence[Union[str, int]]) -> np.ndarray:
     if len(set(numbers)) != len(numbers):
         raise ValueError(f"species must not repeat an element, got {list(species)}")
     return np.array(numbers)
+
+
+@contextlib.contextmanager
+def _frozen(parameters: List[torch.nn.Parameter]) -> Iterator[None]:
+    """``parameters`` without ``requires_grad`` within the context (forces need no gradients of the weights, which
+    the kernels would otherwise compute), as they were after it."""
+    flags = [p.requires_grad for p in parameters]
+    try:
+        for p in parameters:
+            p.requires_grad_(False)
+        yield
+    finally:
+        for p, flag in zip(parameters, flags):
+            p.requires_grad_(flag)
 
 
 def _references(energy_references, symbols: Sequence[str]) -> np.ndarray:
@@ -193,6 +208,7 @@ class E3AttnCalculator(Calculator):
         )
         self.dtype = dtype or (parameter.dtype if parameter is not None else torch.get_default_dtype())
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self._parameters_list = list(self.model.parameters())
         self.max_radius = float(max_radius)
         self.species = [chemical_symbols[z] for z in numbers]
         self.energy_references = _references(energy_references, self.species)
@@ -258,11 +274,13 @@ class E3AttnCalculator(Calculator):
         if len(atoms) > 0:
             edge_index, shifts = self.neighbour_list(positions, lattice, atoms.pbc, pos, cell)
             graph = dict(node_attr=node_attr, edge_index=edge_index, shifts=shifts, create_graph=False)
-            if has_volume:
-                out, f, s = energy_forces_stress(self.model, pos, cell=cell, **graph)
-                stress = self.energy_scale * s[0].detach().cpu().double().numpy()
-            else:
-                out, f = energy_and_forces(self.model, pos, cell=cell, **graph)
+            # finite positions (the search), edges and attributes: made here; no gradients of the weights
+            with values_checked_by_caller(), _frozen(self._parameters_list):
+                if has_volume:
+                    out, f, s = energy_forces_stress(self.model, pos, cell=cell, **graph)
+                    stress = self.energy_scale * s[0].detach().cpu().double().numpy()
+                else:
+                    out, f = energy_and_forces(self.model, pos, cell=cell, **graph)
             energy += self.energy_scale * float(out.detach()[0])
             forces = self.energy_scale * f.detach().cpu().double().numpy()
         self.results = {"energy": energy, "free_energy": energy, "forces": forces}
