@@ -23,12 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -42,7 +42,7 @@ for path in (ROOT, ROOT / "examples", ROOT / "benchmarks"):  # run from a checko
 
 import _common  # noqa: E402
 import molecules  # noqa: E402
-from dense_vs_sparse import cpu_name, sync  # noqa: E402
+from dense_vs_sparse import CLOCKS, cpu_name, sync  # noqa: E402
 
 from e3attn.calculator import DEFAULT_SKIN, E3AttnCalculator  # noqa: E402
 
@@ -76,17 +76,19 @@ class Trajectory:
         return self.sites + self.amplitude * np.sin(self.omega * t + self.phase)
 
 
-def per_call_seconds(run_steps, repeats: int, calls: int, warmup: int, labels: Sequence[str]) -> Dict[str, float]:
+def per_call_seconds(run_steps, repeats: int, calls: int, warmup: int, labels: Sequence[str],
+                     clock: str = "wall") -> Dict[str, float]:
     """Median over ``repeats`` turns of the mean time of ``calls`` steps, the ``labels`` interleaved in every turn;
-    ``run_steps(label, k)`` runs ``k`` steps."""
+    ``run_steps(label, k)`` runs ``k`` steps; ``clock``: ``"wall"`` or ``"cpu"`` (this process's CPU time)."""
+    now = CLOCKS[clock]
     for label in labels:
         run_steps(label, warmup)
     times: Dict[str, List[float]] = {label: [] for label in labels}
     for _ in range(repeats):
         for label in labels:
-            start = time.perf_counter()
+            start = now()
             run_steps(label, calls)
-            times[label].append((time.perf_counter() - start) / calls)
+            times[label].append((now() - start) / calls)
     return {label: statistics.median(values) for label, values in times.items()}
 
 
@@ -109,7 +111,7 @@ def measure_e3attn(num_atoms: int, model: torch.nn.Module, args) -> dict:
             run["t"] += 1
         sync(torch.device(args.device))
 
-    seconds = per_call_seconds(run_steps, args.repeats, args.calls, args.warmup, list(runs))
+    seconds = per_call_seconds(run_steps, args.repeats, args.calls, args.warmup, list(runs), args.clock)
     skin = runs["skin"]["atoms"].calc
     return {
         "atoms": num_atoms,
@@ -202,6 +204,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--device", type=_common.device, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=_common.positive_int, default=1, help="torch.set_num_threads")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="wall time, or this process's CPU time (less disturbed by other tenants of the CPU; "
+                        "with 1 thread on the CPU only; MACE is always timed by the wall clock)")
     p.add_argument("--skin", type=_common.non_negative_float, default=DEFAULT_SKIN, help="the skin in Angstrom")
     p.add_argument("--calls", type=_common.positive_int, default=10, help="steps per timed turn")
     p.add_argument("--repeats", type=_common.positive_int, default=7, help="timed turns of each calculator")
@@ -216,6 +221,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.calls, args.repeats, args.warmup = 2, 2, 1
     if args.sizes is None:
         args.sizes = [32, 108] if args.quick else [108, 864, 4000, 16384]
+    if args.clock == "cpu" and (args.threads > 1 or args.device != "cpu"):
+        p.error("--clock cpu measures one thread on the CPU: use it with --threads 1 --device cpu")
     if args.mace and not args.mace_python:
         p.error("--mace needs --mace-python PATH (a Python with mace-torch, see benchmarks/README.md)")
     for n in args.sizes:
@@ -237,6 +244,14 @@ def format_table(rows: List[dict]) -> str:
     return "\n".join(lines)
 
 
+def _load_average() -> Optional[float]:
+    """The 1-minute load average of the host (None where the platform has none): other tenants of the CPU."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -248,11 +263,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         for row in rows:
             row["mace_s"] = mace.get(row["atoms"])
     meta = {"host": platform.node(), "cpu": cpu_name(), "device": args.device, "threads": args.threads,
-            "dtype": args.dtype, "skin": args.skin, "torch": torch.__version__, "command": " ".join(sys.argv)}
+            "dtype": args.dtype, "skin": args.skin, "clock": args.clock, "load_average": _load_average(), "torch": torch.__version__, "command": " ".join(sys.argv)}
     if args.device.startswith("cuda"):
         meta["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
     report = {"meta": meta, "results": rows}
-    print(f"{meta['cpu']}, {args.device}, {args.threads} thread(s), {args.dtype}, skin {args.skin} A")
+    print(f"{meta['cpu']} ({meta['host']}), {args.device}, {args.threads} thread(s), {args.dtype}, skin {args.skin} A, "
+          f"{args.clock} clock, load average {meta['load_average']}")
     print(format_table(rows))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))

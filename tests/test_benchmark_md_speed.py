@@ -47,7 +47,8 @@ def test_trajectory_vibrates_about_the_sites(bench):
 
 
 @pytest.mark.parametrize("argv, message", [(["--sizes", "100"], "4 n^3"), (["--mace"], "--mace-python"),
-                                           (["--skin", "-1"], "skin")])
+                                           (["--skin", "-1"], "skin"),
+                                           (["--clock", "cpu", "--threads", "2"], "one thread")])
 def test_bad_arguments_exit_with_one_line(bench, argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench.parse_args(argv)
