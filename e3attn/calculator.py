@@ -129,7 +129,7 @@ class E3AttnCalculator(Calculator):
     open, periodic and mixed boundaries). Every property is computed at once and cached by ASE: asking again
     for unchanged atoms computes nothing.
 
-    The graph comes from a Verlet neighbour list (:attr:`neighbour_list`): the search runs at
+    The graph comes from a Verlet neighbour list (``neighbour_list``): the search runs at
     :math:`r_\mathrm{max} + \delta` with the ``skin`` :math:`\delta`, and until some atom has moved more than
     :math:`\delta / 2` since (periodic wrapping taken into account), or the cell, the periodic directions or
     the number of atoms change, each call only keeps the candidates closer than :math:`r_\mathrm{max}`
@@ -140,7 +140,9 @@ class E3AttnCalculator(Calculator):
 
     The model is called as ``model(pos, None, None, edge_index, edge_vec, node_attr=one_hot)`` and must
     have a ``max_radius`` attribute (the cutoff); it is moved to ``device`` and cast to ``dtype`` in place
-    (like ``model.to``) and put in evaluation mode.
+    (like ``model.to``) and put in evaluation mode. During a call its parameters do not require gradients
+    (forces need none of the weights), and afterwards they do as before; the values of the inputs that the
+    calculator makes itself (edges, attributes) are not checked again on every call.
 
     Args:
         model: the energy model, e.g. an :class:`~e3attn.models.EquivariantTransformer` with
