@@ -38,7 +38,7 @@ def values_checked_by_caller() -> Iterator[None]:
 def _skip_values() -> bool:
     """Whether to skip the checks of tensor values: while ``torch.compile`` traces (they would be data-dependent
     branches) and inside :func:`values_checked_by_caller`."""
-    return _CALLER_CHECKED.get() or torch.compiler.is_compiling()
+    return torch.compiler.is_compiling() or _CALLER_CHECKED.get()  # compiling first: dynamo cannot trace .get()
 
 
 def check_int(value: Any, name: str, minimum: int = 0) -> int:
