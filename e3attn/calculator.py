@@ -46,7 +46,7 @@ from ._verlet import VerletList
 from .models.checkpoint import load_checkpoint
 from .models.energy import energy_and_forces, energy_forces_stress
 
-__all__ = ["E3AttnCalculator", "DEFAULT_SKIN"]
+__all__ = ["E3AttnCalculator"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -155,7 +155,7 @@ class E3AttnCalculator(Calculator):
         device: where to run the model (default: where its parameters are).
         dtype: the dtype to run the model in (default: that of its parameters); results are float64.
         skin: the skin :math:`\delta` of the neighbour list in Å, a non-negative number (default
-            :data:`DEFAULT_SKIN` = 0.5: a 300 K metal's atoms need tens of 1 fs steps or more to move
+            0.5, ``DEFAULT_SKIN``: a 300 K metal's atoms need tens of 1 fs steps or more to move
             :math:`\delta / 2`); 0 searches anew for every configuration.
 
     Attributes:
