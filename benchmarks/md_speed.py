@@ -135,6 +135,7 @@ MACE_SCRIPT = r'''
 import json, statistics, sys, time
 import numpy as np, torch
 from ase import Atoms
+torch.serialization.add_safe_globals([slice])  # e3nn 0.4.4 torch.loads its own constants, holding slices
 from e3nn import o3
 from mace import modules
 from mace.calculators import MACECalculator
@@ -151,8 +152,7 @@ model = modules.ScaleShiftMACE(
     atomic_energies=np.zeros(3), avg_num_neighbors=18.0, atomic_numbers=[28, 29, 79], correlation=3,
     gate=torch.nn.functional.silu, atomic_inter_scale=1.0, atomic_inter_shift=0.0,
 )
-torch.save(model, out_path + ".model")
-calc = MACECalculator(model_paths=out_path + ".model", device=device, default_dtype=dtype)
+calc = MACECalculator(models=model, device=device, default_dtype=dtype)
 data, results = np.load(frames_path), []
 for key in sorted((k for k in data.files if k.startswith("frames_")), key=lambda k: int(k[7:])):
     frames = data[key]
