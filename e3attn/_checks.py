@@ -4,22 +4,41 @@ Numbers: Python and NumPy numbers are accepted alike and returned as Python ``in
 booleans (Python or NumPy) are never numbers. Tensors: the dtype of every argument is checked at the
 public entry points, before any internal operation, so a mismatch names the argument.
 
-Checks of tensor *values* (finite positions, indices in range) need the data on the host; they are
-skipped while ``torch.compile`` traces (shapes and dtypes are still checked), see :func:`_tracing`.
+Checks of tensor *values* (finite positions, indices in range) need the data on the host (on a GPU, a
+wait for it); they are skipped while ``torch.compile`` traces, and inside :func:`values_checked_by_caller`
+(shapes and dtypes are still checked), see :func:`_skip_values`.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import numbers
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
 
 
-def _tracing() -> bool:
-    """Whether ``torch.compile`` is tracing: value checks would be data-dependent branches."""
-    return torch.compiler.is_compiling()
+_CALLER_CHECKED = contextvars.ContextVar("e3attn_values_checked_by_caller", default=False)
+
+
+@contextlib.contextmanager
+def values_checked_by_caller() -> Iterator[None]:
+    """Within this context the checks of tensor values are skipped: for a caller that made the inputs itself and
+    knows them valid (the ASE calculator, whose positions the neighbour search checks and whose graph it built),
+    calling the model many times on them."""
+    token = _CALLER_CHECKED.set(True)
+    try:
+        yield
+    finally:
+        _CALLER_CHECKED.reset(token)
+
+
+def _skip_values() -> bool:
+    """Whether to skip the checks of tensor values: while ``torch.compile`` traces (they would be data-dependent
+    branches) and inside :func:`values_checked_by_caller`."""
+    return torch.compiler.is_compiling() or _CALLER_CHECKED.get()  # compiling first: dynamo cannot trace .get()
 
 
 def check_int(value: Any, name: str, minimum: int = 0) -> int:
@@ -83,7 +102,7 @@ def check_pos(pos: torch.Tensor, name: str = "pos", finite: bool = True) -> None
         raise ValueError(f"{name} must have shape [N, 3], got {list(pos.shape)}")
     if not pos.is_floating_point():
         raise ValueError(f"{name} must be a floating-point tensor, got dtype {pos.dtype}")
-    if finite and not _tracing() and not bool(torch.isfinite(pos).all()):
+    if finite and not _skip_values() and not bool(torch.isfinite(pos).all()):
         raise ValueError(f"{name} contains NaN or infinite values")
 
 
@@ -108,7 +127,7 @@ def check_edge_index(edge_index: torch.Tensor, num_nodes: int, name: str = "edge
         raise ValueError(f"{name} must have shape [2, E], got {list(edge_index.shape)}")
     if edge_index.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"{name} must be an integer (int64 or int32) tensor, got dtype {edge_index.dtype}")
-    if not _tracing() and edge_index.numel() > 0:  # the size may be data-dependent while tracing
+    if not _skip_values() and edge_index.numel() > 0:  # the size may be data-dependent while tracing
         lo, hi = int(edge_index.min()), int(edge_index.max())
         if lo < 0 or hi >= num_nodes:
             raise ValueError(f"{name} has entries in [{lo}, {hi}], outside the valid node range [0, {num_nodes})")
@@ -124,7 +143,7 @@ def check_batch(batch: Optional[torch.Tensor], num_nodes: int, name: str = "batc
         raise ValueError(f"{name} must have shape [{num_nodes}] (one graph index per point), got {list(batch.shape)}")
     if batch.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"{name} must be an integer tensor, got dtype {batch.dtype}")
-    if not _tracing() and batch.numel() > 0 and int(batch.min()) < 0:
+    if not _skip_values() and batch.numel() > 0 and int(batch.min()) < 0:
         raise ValueError(f"{name} must hold non-negative graph indices")
 
 
@@ -136,5 +155,5 @@ def check_edge_vec(edge_vec: torch.Tensor, num_edges: int, name: str = "edge_vec
         raise ValueError(f"{name} must have shape [{num_edges}, 3] (one vector per edge), got {list(edge_vec.shape)}")
     if not edge_vec.is_floating_point():
         raise ValueError(f"{name} must be a floating-point tensor, got dtype {edge_vec.dtype}")
-    if not _tracing() and not bool(torch.isfinite(edge_vec).all()):
+    if not _skip_values() and not bool(torch.isfinite(edge_vec).all()):
         raise ValueError(f"{name} contains NaN or infinite values")

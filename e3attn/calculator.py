@@ -26,10 +26,11 @@ This module needs ASE (``pip install ase``); importing it without ASE raises an 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from numbers import Integral, Real
-from typing import Mapping, Optional, Sequence, Union
+from typing import Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -40,13 +41,20 @@ try:
 except ImportError as error:  # pragma: no cover - exercised only without ASE
     raise ImportError("e3attn.calculator needs ASE: pip install ase (or pip install 'e3attn[examples]')") from error
 
-from .graph import radius_graph_pbc
+from ._checks import check_real, values_checked_by_caller
+from ._verlet import VerletList
 from .models.checkpoint import load_checkpoint
 from .models.energy import energy_and_forces, energy_forces_stress
 
 __all__ = ["E3AttnCalculator"]
 
 PathLike = Union[str, "os.PathLike[str]"]
+
+#: The default skin of the neighbour list, in Angstrom. Copper at 300 K moves about 0.003 Angstrom per femtosecond
+#: and vibrates about 0.1 Angstrom about its sites, so in a solid or a liquid the list lasts tens to hundreds of 1 fs
+#: steps; the search, at the cutoff plus the skin, finds ``((r_max + 0.5) / r_max)**3`` = 1.42 times the edges at
+#: r_max = 4 Angstrom, but these are only candidates, filtered once per call: the model sees the edges within r_max.
+DEFAULT_SKIN = 0.5
 
 
 def _atomic_numbers(species: Sequence[Union[str, int]]) -> np.ndarray:
@@ -64,6 +72,20 @@ def _atomic_numbers(species: Sequence[Union[str, int]]) -> np.ndarray:
     if len(set(numbers)) != len(numbers):
         raise ValueError(f"species must not repeat an element, got {list(species)}")
     return np.array(numbers)
+
+
+@contextlib.contextmanager
+def _frozen(parameters: List[torch.nn.Parameter]) -> Iterator[None]:
+    """``parameters`` without ``requires_grad`` within the context (forces need no gradients of the weights, which
+    the kernels would otherwise compute), as they were after it."""
+    flags = [p.requires_grad for p in parameters]
+    try:
+        for p in parameters:
+            p.requires_grad_(False)
+        yield
+    finally:
+        for p, flag in zip(parameters, flags):
+            p.requires_grad_(flag)
 
 
 def _references(energy_references, symbols: Sequence[str]) -> np.ndarray:
@@ -104,12 +126,23 @@ class E3AttnCalculator(Calculator):
     \sigma_{xz}, \sigma_{xy})` of ASE (eV/Å³), defined whenever the cell has three lattice vectors, like
     ASE's own EMT. Forces and stress come from one backward pass (:func:`~e3attn.models.energy_forces_stress`)
     over the graph of :func:`~e3attn.radius_graph_pbc` (periodic along the directions of ``atoms.pbc``:
-    open, periodic and mixed boundaries), rebuilt for every new configuration. Every property is computed at
-    once and cached by ASE: asking again for unchanged atoms computes nothing.
+    open, periodic and mixed boundaries). Every property is computed at once and cached by ASE: asking again
+    for unchanged atoms computes nothing.
+
+    The graph comes from a Verlet neighbour list (``neighbour_list``): the search runs at
+    :math:`r_\mathrm{max} + \delta` with the ``skin`` :math:`\delta`, and until some atom has moved more than
+    :math:`\delta / 2` since (periodic wrapping taken into account), or the cell, the periodic directions or
+    the number of atoms change, each call only keeps the candidates closer than :math:`r_\mathrm{max}`
+    (``skin=0``: a new search for every configuration). Results equal those of a new search to rounding:
+    the model gets the same edges in the same order, except pairs within rounding of :math:`r_\mathrm{max}`,
+    where the cutoff and the radial basis vanish so that such edges add exactly nothing. The edge vectors
+    are computed from the current positions on every call.
 
     The model is called as ``model(pos, None, None, edge_index, edge_vec, node_attr=one_hot)`` and must
     have a ``max_radius`` attribute (the cutoff); it is moved to ``device`` and cast to ``dtype`` in place
-    (like ``model.to``) and put in evaluation mode.
+    (like ``model.to``) and put in evaluation mode. During a call its parameters do not require gradients
+    (forces need none of the weights), and afterwards they do as before; the values of the inputs that the
+    calculator makes itself (edges, attributes) are not checked again on every call.
 
     Args:
         model: the energy model, e.g. an :class:`~e3attn.models.EquivariantTransformer` with
@@ -122,6 +155,12 @@ class E3AttnCalculator(Calculator):
         device: where to run the model (default: where its parameters are).
         dtype: the dtype to run the model in, ``torch.float16``, ``bfloat16``, ``float32`` or ``float64``
             (default: that of its parameters); results are float64.
+        skin: the skin :math:`\delta` of the neighbour list in Å, a non-negative number (default
+            0.5, ``DEFAULT_SKIN``: a 300 K metal's atoms need tens of 1 fs steps or more to move
+            :math:`\delta / 2`); 0 searches anew for every configuration.
+
+    Attributes:
+        neighbour_list: the Verlet list (``e3attn._verlet.VerletList``); its ``builds`` counts the searches.
 
     Raises:
         ValueError: on malformed arguments, and when computing atoms with elements not in ``species``.
@@ -148,6 +187,7 @@ class E3AttnCalculator(Calculator):
         energy_scale: float = 1.0,
         device: Optional[Union[str, torch.device]] = None,
         dtype: Optional[torch.dtype] = None,
+        skin: float = DEFAULT_SKIN,
     ) -> None:
         super().__init__()
         if not isinstance(model, torch.nn.Module):
@@ -172,12 +212,16 @@ class E3AttnCalculator(Calculator):
         )
         self.dtype = dtype or (parameter.dtype if parameter is not None else torch.get_default_dtype())
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self._parameters_list = list(self.model.parameters())
         self.max_radius = float(max_radius)
         self.species = [chemical_symbols[z] for z in numbers]
         self.energy_references = _references(energy_references, self.species)
         self.energy_scale = float(energy_scale)
         self._index = np.full(len(chemical_symbols), -1)
         self._index[numbers] = np.arange(len(numbers))
+        skin = check_real(skin, "skin", "a non-negative finite number (in Angstrom)", lambda x: 0 <= x < math.inf)
+        self.neighbour_list = VerletList(self.max_radius, skin)
+        self._elements: tuple = (None, None)  # the atomic numbers of the last call, and their one-hot tensor
 
     @classmethod
     def from_checkpoint(
@@ -186,9 +230,11 @@ class E3AttnCalculator(Calculator):
         *,
         device: Optional[Union[str, torch.device]] = None,
         dtype: Optional[torch.dtype] = None,
+        skin: float = DEFAULT_SKIN,
     ) -> "E3AttnCalculator":
         r"""The calculator of a checkpoint in the format above (model, ``species``, ``energy_references``,
-        ``energy_scale``), its model on ``device`` (default CPU) in ``dtype`` (default: as saved).
+        ``energy_scale``), its model on ``device`` (default CPU) in ``dtype`` (default: as saved), with the
+        neighbour list's ``skin``.
 
         .. math:: \text{calculator} = \mathrm{E3AttnCalculator}(\text{model}, \text{extra}[\texttt{species}], \dots)
 
@@ -214,36 +260,47 @@ class E3AttnCalculator(Calculator):
             )
         return cls(
             model, extra["species"], energy_references=extra.get("energy_references"),
-            energy_scale=extra.get("energy_scale", 1.0), device=device, dtype=dtype,
+            energy_scale=extra.get("energy_scale", 1.0), device=device, dtype=dtype, skin=skin,
         )
 
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes) -> None:
         """Compute every property of ``atoms`` at once into ``self.results`` (ASE calls this as needed)."""
         super().calculate(atoms, properties, system_changes)
         atoms = self.atoms
-        index = self._index[atoms.numbers]
-        if (index < 0).any():
-            unknown = sorted({chemical_symbols[z] for z in atoms.numbers[index < 0]})
-            raise ValueError(f"atoms hold elements {unknown} that the model does not know; it knows {self.species}")
+        node_attr, energy = self._elements_of(atoms.numbers)
         has_volume = atoms.cell.rank == 3
         if "stress" in properties and not has_volume:
             raise PropertyNotImplementedError("stress needs a cell of three lattice vectors (a volume)")
         as_tensor = dict(dtype=self.dtype, device=self.device)
-        pos = torch.as_tensor(atoms.positions, **as_tensor)
-        cell = torch.as_tensor(atoms.cell.array, **as_tensor)
-        energy = float(self.energy_references[index].sum())
+        positions, lattice = atoms.positions, atoms.cell.array
+        pos, cell = torch.as_tensor(positions, **as_tensor), torch.as_tensor(lattice, **as_tensor)
         forces, stress = np.zeros((len(atoms), 3)), np.zeros((3, 3))
         if len(atoms) > 0:
-            edge_index, shifts = radius_graph_pbc(pos, cell, torch.as_tensor(atoms.pbc), self.max_radius)
-            node_attr = torch.nn.functional.one_hot(torch.as_tensor(index, device=self.device), len(self.species))
-            graph = dict(node_attr=node_attr.to(self.dtype), edge_index=edge_index, shifts=shifts, create_graph=False)
-            if has_volume:
-                out, f, s = energy_forces_stress(self.model, pos, cell=cell, **graph)
-                stress = self.energy_scale * s[0].detach().cpu().double().numpy()
-            else:
-                out, f = energy_and_forces(self.model, pos, cell=cell, **graph)
+            edge_index, shifts = self.neighbour_list(positions, lattice, atoms.pbc, pos, cell)
+            graph = dict(node_attr=node_attr, edge_index=edge_index, shifts=shifts, create_graph=False)
+            # finite positions (the search), edges and attributes: made here; no gradients of the weights
+            with values_checked_by_caller(), _frozen(self._parameters_list):
+                if has_volume:
+                    out, f, s = energy_forces_stress(self.model, pos, cell=cell, **graph)
+                    stress = self.energy_scale * s[0].detach().cpu().double().numpy()
+                else:
+                    out, f = energy_and_forces(self.model, pos, cell=cell, **graph)
             energy += self.energy_scale * float(out.detach()[0])
             forces = self.energy_scale * f.detach().cpu().double().numpy()
         self.results = {"energy": energy, "free_energy": energy, "forces": forces}
         if has_volume:
             self.results["stress"] = stress.flat[[0, 4, 8, 5, 2, 1]]
+
+    def _elements_of(self, numbers: np.ndarray) -> Tuple[torch.Tensor, float]:
+        """The one-hot node attributes of atoms with atomic ``numbers`` and the sum of their reference energies,
+        kept while the atoms' elements stay the same."""
+        cached, result = self._elements
+        if cached is None or not np.array_equal(cached, numbers):
+            index = self._index[numbers]
+            if (index < 0).any():
+                unknown = sorted({chemical_symbols[z] for z in numbers[index < 0]})
+                raise ValueError(f"atoms hold elements {unknown} that the model does not know; it knows {self.species}")
+            one_hot = torch.nn.functional.one_hot(torch.as_tensor(index, device=self.device), len(self.species))
+            result = (one_hot.to(self.dtype), float(self.energy_references[index].sum()))
+            self._elements = (numbers.copy(), result)
+        return result

@@ -235,6 +235,20 @@ def test_dynamics_compute_each_configuration_once():
     assert len(calls) == 2 + 5
 
 
+def test_the_model_stays_trainable_and_its_gradients_untouched():
+    """The calculator computes without gradients of the weights, and gives the weights back as they were."""
+    model = make_model()
+    frozen = next(iter(model.parameters()))
+    frozen.requires_grad_(False)
+    calc = E3AttnCalculator(model, SPECIES)
+    calc.get_forces(STRUCTURES["cubic"]())
+    assert [p.requires_grad for p in model.parameters()] == [p is not frozen for p in model.parameters()]
+    assert all(p.grad is None for p in model.parameters())
+    pos = torch.randn(5, 3, dtype=torch.float64)
+    model(pos, node_attr=torch.ones(5, 2, dtype=torch.float64)).sum().backward()  # trains as before
+    assert all((p.grad is not None) == (p is not frozen) for p in model.parameters())
+
+
 # ---------------------------------------------------------------- errors and edge cases
 
 

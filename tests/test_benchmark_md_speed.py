@@ -1,0 +1,57 @@
+"""Smoke test of benchmarks/md_speed.py and checks of its pieces."""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("ase")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "md_speed.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("md_speed", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_run_writes_the_table_and_json(bench, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    # a Python without MACE: the MACE column stays empty and the failure is reported, the rest is measured
+    report = bench.main(["--quick", "--device", "cpu", "--sizes", "32", "--out", str(out), "--mace",
+                         "--mace-python", sys.executable])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    (row,) = report["results"]
+    assert row["atoms"] == 32 and row["mace_s"] is None
+    # fcc copper vibrating 0.1 A about its sites: the 12 + 6 neighbours within 4 A, the shell at 4.42 A outside
+    assert 18 * 32 - 8 <= row["edges"] <= 18 * 32 + 8
+    assert row["skin_s"] > 0 and row["no_skin_s"] > 0
+    assert row["searches_per_call"] == pytest.approx(1 / 5)  # one search in 1 + 2 * 2 steps: the skin holds
+    captured = capsys.readouterr()
+    assert "| 32 | " in captured.out and "MACE run failed" in captured.err
+
+
+def test_trajectory_vibrates_about_the_sites(bench):
+    sites = bench.fcc_copper(108).positions
+    trajectory = bench.Trajectory(sites)
+    frames = np.stack([trajectory.frame(t) for t in range(400)])
+    assert np.allclose(frames.mean(0), sites, atol=0.06)  # two periods and more: the mean is the site
+    assert 0.06 < (frames - sites).std() < 0.08  # N(0, 0.1) amplitudes: the rms of a sine is a / sqrt(2)
+    steps = np.linalg.norm(np.diff(frames, axis=0), axis=2)
+    assert 0.002 < steps.mean() < 0.006  # a few thousandths of an Angstrom per fs, as copper at 300 K
+
+
+@pytest.mark.parametrize("argv, message", [(["--sizes", "100"], "4 n^3"), (["--mace"], "--mace-python"),
+                                           (["--skin", "-1"], "skin"),
+                                           (["--clock", "cpu", "--threads", "2"], "one thread")])
+def test_bad_arguments_exit_with_one_line(bench, argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
