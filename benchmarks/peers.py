@@ -1,7 +1,7 @@
 r"""Peers of the layer benchmark (``benchmarks/layer.py --peer NAME``): the e3nn guide's attention with its tensor
 products on another library's kernels, what a user who wants speed builds today.
 
-* ``oeq``: :class:`layer.GuideAttention` with its two tensor products (keys and values, per-edge weights from the
+* ``oeq``: :class:`guide.GuideAttention` with its two tensor products (keys and values, per-edge weights from the
   radial networks) on OpenEquivariance's CUDA kernels (``openequivariance.TensorProduct`` of the same
   ``TPProblem``: irreps, instructions and path weights of e3nn's product, ``shared_weights=False``), the rest of the
   module unchanged. OpenEquivariance takes e3nn's weight layout, so the peer keeps the baseline's weights and its
