@@ -13,7 +13,7 @@ The same outputs as :func:`e3attn.kernels.segments.node_pass` (see
   :math:`U_i`.
 
 No per-edge weights, keys or values are formed: per edge only the path features :math:`y_e` (in the
-component-major layout of :func:`~e3attn.kernels.segment_ops.component_major_paths`), computed with the
+component-major layout of :func:`~e3attn.kernels.layout.component_major_paths`), computed with the
 Clebsch-Gordan sums of :mod:`e3attn.kernels.gpu` (``_coefficients_kernel``). Every program writes only its own
 rows, so the node contraction has no atomic additions; the gradient of the gathered features sums per
 source with ``index_add_``.
