@@ -44,7 +44,7 @@ class NodeContraction(torch.nn.Module):
     weights are stored, only the path features :math:`y_e` (their columns padded with zeros to a multiple of 8,
     :func:`~e3attn.kernels.layout.padded_paths`). The edges must be sorted by destination
     (``rowptr``, the CSR layout of the layer's graph). The module holds only index tensors (non-persistent
-    buffers, and the block tables as CPU tensors on every device): the layout of the keys and values per block of
+    buffers; the block tables stay on the CPU on every device): the layout of the keys and values per block of
     the product.
 
     Args:
@@ -89,10 +89,18 @@ class NodeContraction(torch.nn.Module):
             cat = [torch.cat(ix) if ix else torch.zeros(0, dtype=torch.long) for ix in (z_index[t], l_index[t])]
             self.register_buffer(f"_{name}_columns", cat[0], persistent=False)
             self.register_buffer(f"_{name}_weights", cat[1], persistent=False)
-            # the block table stays on the CPU whatever the module's device: the kernels read it as Python integers
-            setattr(self, f"_{name}_blocks", torch.tensor(tables[t], dtype=torch.long).reshape(-1, 6))
+            self.register_buffer(f"_{name}_blocks", torch.tensor(tables[t], dtype=torch.long).reshape(-1, 6),
+                                 persistent=False)
             self._dims.append([num_heads, hidden, padded_paths(self.num_paths), cat[0].numel(), cat[1].numel()])
         self.register_buffer("_value_order", torch.argsort(self._value_columns), persistent=False)
+
+    def _apply(self, fn, recurse: bool = True):
+        """Move or cast the index buffers, except the block tables: they stay on the CPU whatever the module's
+        device (the kernels read them as Python integers, without a copy from a GPU per call)."""
+        tables = self._key_blocks, self._value_blocks
+        super()._apply(fn, recurse)
+        self._key_blocks, self._value_blocks = tables
+        return self
 
     def attend(self, f: torch.Tensor, index: torch.Tensor, sh: torch.Tensor, hidden: List[torch.Tensor],
                linear: List[torch.Tensor], q: torch.Tensor, log_c: torch.Tensor, rowptr: torch.Tensor,
