@@ -21,6 +21,7 @@ from ._checks import (
     check_radius_fits,
 )
 from ._irreps import IrrepsLike, as_irreps
+from .edge_geometry import edge_geometry
 from .graph import radius_graph
 from .heads import MultiHeadDot, scale_heads, split_heads
 from .linear import IrrepsLinear
@@ -250,16 +251,8 @@ class EquivariantAttention(torch.nn.Module):
     def _geometry(self, edge_vec: torch.Tensor):
         """The spherical harmonics, the first layers' outputs of the radial networks and the log cutoff weights of
         every edge, from :meth:`_plain_geometry` or, where the node kernels run, the same on the kernels of
-        :mod:`e3attn.kernels.geometry_ops`."""
-        first = self.radial.input_layer()
-        geometry = self._plain_geometry
-        if kernels.segments_enabled(edge_vec.device, edge_vec.dtype):
-            from .kernels import geometry_ops  # imports numba: only where the kernels run
-
-            if kernels.eager_on_cpu(edge_vec, first):
-                geometry = functools.partial(geometry_ops.edge_geometry, harmonics=self.sh, embedding=self.embedding,
-                                             plain=self._plain_geometry)
-        sh, pre, r = geometry(edge_vec, first)
+        :mod:`e3attn.kernels.geometry_ops` (:func:`~e3attn.edge_geometry.edge_geometry`)."""
+        sh, pre, r = edge_geometry(edge_vec, self.radial.input_layer(), self.sh, self.embedding, self._plain_geometry)
         return sh, pre, log_soft_unit_step(10.0 * (1.0 - r / self.max_radius))
 
     def _plain_geometry(self, edge_vec: torch.Tensor, first_layer: torch.Tensor):

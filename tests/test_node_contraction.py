@@ -224,6 +224,30 @@ def test_node_operators_refuse_what_would_read_out_of_range(backend):
         segment_ops.path_features(tp._spec, torch.randn(2, 2), torch.tensor([0, 2]), torch.randn(2, 4))
 
 
+def test_node_operators_check_again_what_changed_in_place(backend):
+    """The checks of ``rowptr``, ``blocks`` and ``index`` run once per tensor, and again after an in-place change."""
+    rowptr, _ = _graph()
+    y, a, z, lt = (t.detach() for t in _operands())
+    rowptr, blocks = rowptr.clone(), BLOCKS.clone()
+    segment_ops.node_expand(y, None, z, lt, blocks, rowptr, DIMS)  # checked and remembered
+    rowptr[1:3] = rowptr[1:3].flip(0).clone()  # no longer rising
+    with pytest.raises(ValueError, match="rowptr must rise from 0"):
+        segment_ops.node_expand(y, None, z, lt, blocks, rowptr, DIMS)
+    rowptr, _ = _graph()
+    segment_ops.node_outer(a, y, lt, None, blocks, rowptr, DIMS)
+    blocks += 40
+    with pytest.raises(ValueError, match="blocks does not fit"):
+        segment_ops.node_outer(a, y, lt, None, blocks, rowptr, DIMS)
+    tp = SphericalTensorProduct("2x0e", o3.Irreps.spherical_harmonics(1), ["1x0e"])
+    index = torch.tensor([0, 1])
+    segment_ops.path_features(tp._spec, torch.randn(2, 2), index, torch.randn(2, 4))
+    index[1] = 2
+    with pytest.raises(IndexError, match="index must be in"):
+        segment_ops.path_features(tp._spec, torch.randn(2, 2), index, torch.randn(2, 4))
+    with pytest.raises(IndexError, match="index must be in"):  # the same tensor read by fewer rows of x
+        segment_ops.path_features(tp._spec, torch.randn(1, 2), torch.tensor([0, 1]), torch.randn(2, 4))
+
+
 LAYERS = [
     (("10x0e + 5x1o", "11x0e + 4x1o", "12x0e + 3x1o", "14x0e + 6x1o"), 1, 3, "sqrt_alpha"),
     (("4x0e + 2x1o + 2x2e", "4x0e + 2x1o", "2x0e + 4x1o + 2x2e", "6x0e + 2x1o + 4x2e + 2x1e"), 2, 2, "alpha"),

@@ -88,6 +88,17 @@ def _embedding(r, basis, centers, step, rmax, scale, emb, demb, derivative):
     xq = x * x * x * x * x  # x^(p - 1): DimeNet's envelope and its derivative in x (p = 6)
     a, b, c = (_P + 1) * (_P + 2) / 2, _P * (_P + 2), _P * (_P + 1) / 2
     env, denv = 1 - (a - (b - c * x) * x) * xq * x, (-a * _P + (b * (_P + 1) - c * (_P + 2) * x) * x) * xq / rmax
+    if basis == BESSEL and x > 1e-2:  # centres 1, ..., n: sin(k theta), cos(k theta) by rotations (k theta > 1e-2)
+        theta = math.pi * x
+        inv, s1, c1 = 1.0 / theta, math.sin(theta), math.cos(theta)
+        sk, ck = s1, c1
+        for k in range(nb):  # scale (k + 1) sinc((k + 1) x) env = scale sin(k theta) / theta env, and d/dr
+            value = scale * sk * inv
+            emb[k] = value * env
+            if derivative:
+                demb[k] = scale * ((k + 1) * ck - sk * inv) * inv * (math.pi / rmax) * env + value * denv
+            sk, ck = sk * c1 + ck * s1, ck * c1 - sk * s1
+        return 0, nb
     for k in range(nb):
         ck = centers[k]
         if basis == GAUSSIAN:

@@ -27,7 +27,7 @@ import torch
 
 from . import _plain_eager, cpu, geometry
 from .ops import _array, _forward_groups
-from .threads import parallel
+from .threads import groups_for, parallel
 
 __all__ = ["edge_geometry"]
 
@@ -84,8 +84,9 @@ def _forward(vectors: torch.Tensor, first_layer: torch.Tensor, constants: tuple)
     num, lmax, empty = vectors.shape[0], constants[1], vectors.new_empty(0, 1)
     sh, pre, r = vectors.new_empty(num, (lmax + 1) ** 2), vectors.new_empty(num, first_layer.shape[1]), \
         vectors.new_empty(num, 1)
+    work = _work(vectors, first_layer)
     _run(vectors, first_layer, constants, (empty, empty, empty), (sh, pre, r, empty, first_layer.new_empty((0, 1, 1))),
-         _forward_groups(num, _TILE), _work(vectors, first_layer))
+         groups_for(work, _forward_groups(num, _TILE)), work)
     return sh, pre, r.view(num)
 
 
@@ -95,8 +96,11 @@ def _backward(vectors: torch.Tensor, first_layer: torch.Tensor, constants: tuple
     empty = vectors.new_empty(0, 1)
     g_vec = torch.empty_like(vectors) if need_vectors else vectors.new_empty(0, 3)
     g_first = first_layer.new_zeros((cpu.GROUPS if need_first else 0,) + tuple(first_layer.shape))
+    work = 2 * _work(vectors, first_layer)
+    # the gradient of the first layer is summed per group (a fixed number: bitwise repeatable)
+    groups = cpu.GROUPS if need_first else groups_for(work, _forward_groups(vectors.shape[0], _TILE))
     _run(vectors, first_layer, constants, (g_sh, g_pre, g_r.reshape(-1, 1)), (empty, empty, empty, g_vec, g_first),
-         cpu.GROUPS, 2 * _work(vectors, first_layer))
+         groups, work)
     return g_vec if need_vectors else None, g_first.sum(0) if need_first else None
 
 

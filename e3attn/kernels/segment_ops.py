@@ -42,29 +42,45 @@ from . import _plain_eager, cpu, segments
 from .backends import backend
 from .layout import component_major_paths, layout_for, padded_paths
 from .ops import _array, _forward_groups
-from .threads import parallel
+from .threads import groups_for, parallel
 
 __all__ = ["call", "node_expand", "node_outer", "path_features", "path_features_backward"]
 
 _TILE = 64  # edges per tile of the path features (longer tiles measured slower: the tile leaves the cache)
 
 
-def _node_groups(rowptr: torch.Tensor) -> int:
+def _node_groups(rowptr: torch.Tensor, work: int) -> int:
     """Groups of nodes for the threads: a few per thread (no reduction: any split gives the same result)."""
-    return max(1, min(rowptr.shape[0] - 1, 4 * torch.get_num_threads()))
+    return groups_for(work, max(1, min(rowptr.shape[0] - 1, 4 * torch.get_num_threads())))
 
 
 def _check_segments(rowptr: torch.Tensor, num_edges: int, num_nodes: int, device: torch.device) -> None:
-    """Check what the kernels rely on in ``rowptr`` (they index without bounds checks): on the CPU its values too;
-    on a GPU its shape, dtype and device only (reading its values would wait for the device: the layer builds it)."""
+    """Check what the kernels rely on in ``rowptr`` (they index without bounds checks): on the CPU its values too,
+    once per tensor and version (a model reuses one ``rowptr`` for all its layers and both directions); on a GPU
+    its shape, dtype and device only (reading its values would wait for the device: the layer builds it)."""
     if (rowptr.dim() != 1 or rowptr.dtype != torch.int64 or rowptr.device != device
             or rowptr.shape[0] != num_nodes + 1):
         raise ValueError(f"rowptr must be a 1-d int64 tensor [{num_nodes + 1}] (one more than the nodes) on "
                          f"{device}, got {rowptr.dtype} {list(rowptr.shape)} on {rowptr.device}")
-    if device.type == "cpu":
+    if device.type == "cpu" and _checked(rowptr, num_edges) is None:
         array = _array(rowptr)
         if array[0] != 0 or array[-1] != num_edges or np.any(np.diff(array) < 0):
             raise ValueError(f"rowptr must rise from 0 to the number of edges ({num_edges})")
+        _remember(rowptr, num_edges, True)
+
+
+def _checked(t: torch.Tensor, key):
+    """What :func:`_remember` noted on ``t`` for ``key``, while ``t`` is unchanged (same version); else None."""
+    note = getattr(t, "_e3attn_checked", None)
+    return note[2] if note is not None and note[0] == t._version and note[1] == key else None
+
+
+def _remember(t: torch.Tensor, key, value) -> None:
+    """Note on ``t`` that it passed the check ``key`` (with a result ``value``), valid until ``t`` changes in place.
+    Plain tensors with a version counter only (others are checked every time: tensor subclasses, compile-time
+    and inference tensors)."""
+    if type(t) is torch.Tensor and not t.is_inference():
+        t._e3attn_checked = (t._version, key, value)
 
 
 def _check(name: str, t: torch.Tensor, shape: Tuple[int, ...], device: torch.device) -> None:
@@ -100,12 +116,16 @@ def _check_blocks(blocks: torch.Tensor, dims: List[int]) -> List[List[int]]:
                          f"{blocks.device}")
     if heads < 1 or min(dims) < 0:
         raise ValueError(f"dims must be [heads >= 1, hidden, paths, z width, L size] >= 0, got {list(dims)}")
+    table = _checked(blocks, tuple(dims))
+    if table is not None:
+        return table
     table = blocks.tolist()
     for poff, k, dim_l, width, loff, zoff in table:
         if min(poff, k, dim_l, width, loff, zoff) < 0 or poff + k * dim_l > paths or (
                 loff + heads * width * hidden * k > lsize or zoff + heads * width * dim_l > zwidth):
             raise ValueError(f"blocks does not fit dims {list(dims)} (paths, z width, L size): "
                              f"row {[poff, k, dim_l, width, loff, zoff]}")
+    _remember(blocks, tuple(dims), table)
     return table
 
 
@@ -144,9 +164,10 @@ def _node_pass(y, a, z, lt, blocks, rowptr, dims, needs) -> Tuple[torch.Tensor, 
             ref.new_empty(rowptr.shape[0] - 1 if need_o else 0, dims[3]),
             ref.new_empty(cpu.GROUPS if need_g else 0, dims[4]))
     arrays = (outs[0].view(-1).numpy(), outs[1].numpy(), outs[2].numpy(), outs[3].numpy())
-    groups, ptr, table_ = cpu.GROUPS if need_g else _node_groups(rowptr), _array(rowptr), _array(blocks)
+    work = sum(needs) * num * dims[0] * dims[1] * dims[2]
+    groups, ptr, table_ = cpu.GROUPS if need_g else _node_groups(rowptr, work), _array(rowptr), _array(blocks)
     parallel(lambda g: segments.node_pass(y_, a_, z_, lt_, table_, dims[0], dims[1], ptr, g, groups, *arrays), groups,
-             sum(needs) * num * dims[0] * dims[1] * dims[2])
+             work)
     return outs[0], outs[1], outs[2], outs[3].sum(0) if need_g else outs[3].new_empty(0)
 
 
@@ -189,8 +210,10 @@ def _path_arguments(spec: str, x: torch.Tensor, index: torch.Tensor, sh: torch.T
         raise ValueError(f"sh has the wrong shape for this product: {list(sh.shape)}")
     _check("index", index, (sh.shape[0],), sh.device)
     _check("x", x, tuple(x.shape), sh.device)
-    if sh.device.type == "cpu" and index.shape[0] and (int(index.min()) < 0 or int(index.max()) >= x.shape[0]):
-        raise IndexError(f"index must be in [0, {x.shape[0]}) (the rows of x)")
+    if sh.device.type == "cpu" and index.shape[0] and _checked(index, x.shape[0]) is None:
+        if int(index.min()) < 0 or int(index.max()) >= x.shape[0]:
+            raise IndexError(f"index must be in [0, {x.shape[0]}) (the rows of x)")
+        _remember(index, x.shape[0], True)
     _common_dtype(x=x, sh=sh)
     return backend(sh.device) == "triton"
 
@@ -217,12 +240,12 @@ def _path_features(spec: str, x: torch.Tensor, index: torch.Tensor, sh: torch.Te
 
         return segments_triton.path_features(spec, x, index, sh, padded_paths(layout_for(spec).num_paths))
     data, structure, paths = _path_structure(spec, x, index, sh)
-    out, tile = sh.new_empty(sh.shape[0], paths), _TILE
-    groups = _forward_groups(sh.shape[0], tile)
+    out, work = sh.new_empty(sh.shape[0], paths), _path_work(x, sh, structure, paths)
+    groups = groups_for(work, _forward_groups(sh.shape[0], _TILE))
     empty = np.empty((0, paths), data[0].dtype)
     arrays = (out.numpy(), np.empty((0, x.shape[1]), data[0].dtype), np.empty((0, sh.shape[1]), data[0].dtype))
-    parallel(lambda group: segments.path_features(*data, empty, structure, tile, group, groups, *arrays), groups,
-             _path_work(x, sh, structure, paths))
+    parallel(lambda group: segments.path_features(*data, empty, structure, _TILE, group, groups, *arrays), groups,
+             work)
     return out
 
 
@@ -241,11 +264,10 @@ def _path_features_backward(spec: str, x: torch.Tensor, index: torch.Tensor, sh:
         return segments_triton.path_features_backward(spec, x, index, sh, grad, needs)
     data, structure, paths = _path_structure(spec, x, index, sh)
     gx_edges, gsh = x.new_empty(sh.shape[0], x.shape[1]), sh.new_empty(sh.shape)
-    tile = _TILE
-    groups = _forward_groups(sh.shape[0], tile)
+    work = 2 * _path_work(x, sh, structure, paths)
+    groups, g = groups_for(work, _forward_groups(sh.shape[0], _TILE)), _array(grad)
     arrays = (np.empty((0, paths), data[0].dtype), gx_edges.numpy(), gsh.numpy())
-    parallel(lambda group: segments.path_features(*data, _array(grad), structure, tile, group, groups, *arrays),
-             groups, 2 * _path_work(x, sh, structure, paths))
+    parallel(lambda group: segments.path_features(*data, g, structure, _TILE, group, groups, *arrays), groups, work)
     gx = x.new_zeros(x.shape) if needs[0] else x.new_empty(0)
     if needs[0]:  # the gradient of the gather x[index]: rows summed in edge order (bitwise repeatable)
         segments.add_rows(gx.numpy(), data[1], gx_edges.numpy())

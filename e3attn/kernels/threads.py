@@ -33,7 +33,7 @@ import torch
 
 from .._env import env_choice
 
-__all__ = ["parallel", "backend", "threads_for", "SERIAL_BELOW"]
+__all__ = ["parallel", "backend", "threads_for", "groups_for", "SERIAL_BELOW"]
 
 _Task = Callable[[int], None]
 
@@ -58,6 +58,12 @@ def threads_for(work: int) -> int:
     """The threads that :func:`parallel` would give a call of ``work`` multiply-adds with enough groups: 1 below
     :data:`SERIAL_BELOW` (a caller may then do its work as a single group)."""
     return torch.get_num_threads() if work >= SERIAL_BELOW else 1
+
+
+def groups_for(work: int, groups: int) -> int:
+    """``groups``, the split of a call of ``work`` multiply-adds for the threads, or 1 where :func:`parallel` would
+    run it on the calling thread (more groups would only add calls). For splits that do not change the result."""
+    return groups if threads_for(work) > 1 else 1
 
 
 def backend() -> str:

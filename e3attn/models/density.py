@@ -5,11 +5,15 @@ import torch
 
 from .._checks import check_edge_index, check_edge_vec, check_features
 from .._irreps import IrrepsLike, as_irreps
+from ..edge_geometry import edge_geometry
 from ..linear import IrrepsLinear
 from ..radial import RadialEmbedding, RadialMLP, cutoff_weight
 from ..scatter import scatter_sum
+from ..spherical_harmonics import SphericalHarmonics
 
 __all__ = ["NeighbourDensity"]
+
+_SCALARS = SphericalHarmonics(0)  # the edge geometry's harmonics: the density uses only the lengths
 
 
 class NeighbourDensity(torch.nn.Module):
@@ -92,8 +96,14 @@ class NeighbourDensity(torch.nn.Module):
         check_edge_index(edge_index, num_nodes)
         src, dst = edge_index[0].long(), edge_index[1].long()
         check_edge_vec(edge_vec, src.shape[0])
-        r = edge_vec.norm(dim=-1)
-        (radial,) = self.radial(self.embedding(r))
+        _, pre, r = edge_geometry(edge_vec, self.radial.input_layer(), _SCALARS, self.embedding, self._plain_geometry)
+        radial = self.radial.activate(pre)[0] @ self.radial.output_layers()[0]
         weight = radial * (cutoff_weight(r, self.max_radius) / self.avg_num_neighbors)[:, None]
         return scatter_sum(weight * self.source(f).index_select(0, src), dst, num_nodes)
+
+    def _plain_geometry(self, edge_vec: torch.Tensor, first_layer: torch.Tensor):
+        """What :func:`~e3attn.edge_geometry.edge_geometry` computes, in PyTorch operations: the (constant)
+        harmonic of degree 0, the radial network's first layer ``embedding(r) @ first_layer`` and the lengths."""
+        r = edge_vec.norm(dim=-1)
+        return _SCALARS(edge_vec), self.embedding(r) @ first_layer, r
 

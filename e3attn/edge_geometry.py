@@ -1,0 +1,48 @@
+r"""The geometry that the layers derive from the edge vectors, in one place for all of them.
+
+:func:`edge_geometry` gives, for edge vectors :math:`\vec r_e`,
+
+.. math:: Y(\hat r_e), \qquad p_e = \mathrm{emb}(r_e)\, W_1, \qquad r_e = |\vec r_e|,
+
+the spherical harmonics, the outputs of a radial network's first layer and the lengths: on the numba kernels
+of :mod:`e3attn.kernels.geometry_ops` where the layers' kernels run (plain eager CPU tensors, see
+:func:`e3attn.kernels.segments_enabled`), one pass over the edges each way; elsewhere by the PyTorch formulation
+it is given, which those kernels equal.
+"""
+from __future__ import annotations
+
+from typing import Callable, Tuple
+
+import torch
+
+from . import kernels
+
+__all__ = ["edge_geometry"]
+
+Geometry = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def edge_geometry(edge_vec: torch.Tensor, first_layer: torch.Tensor, harmonics: torch.nn.Module,
+                  embedding: torch.nn.Module, plain: Callable[[torch.Tensor, torch.Tensor], Geometry]) -> Geometry:
+    r"""``(Y [E, (lmax + 1)^2], p [E, J], r [E])`` of ``edge_vec [E, 3]``: the harmonics of ``harmonics``
+    (a :class:`~e3attn.spherical_harmonics.SphericalHarmonics`), ``p = embedding(r) @ first_layer`` for a
+    :class:`~e3attn.radial.RadialEmbedding` and a first layer ``[number_of_basis, J]``, and the lengths;
+    ``plain(edge_vec, first_layer)`` computes the same in PyTorch operations.
+
+    Example::
+
+        >>> from e3attn.radial import RadialEmbedding
+        >>> from e3attn.spherical_harmonics import SphericalHarmonics
+        >>> sh, emb, w1 = SphericalHarmonics(1), RadialEmbedding(4, 2.0, "bessel"), torch.randn(4, 3)
+        >>> plain = lambda v, w: (sh(v), emb(v.norm(dim=-1)) @ w, v.norm(dim=-1))
+        >>> v = torch.randn(5, 3)
+        >>> y, p, r = edge_geometry(v, w1, sh, emb, plain)
+        >>> [t.shape for t in (y, p, r)], bool(torch.allclose(p, plain(v, w1)[1], atol=1e-5))
+        ([torch.Size([5, 4]), torch.Size([5, 3]), torch.Size([5])], True)
+    """
+    if kernels.segments_enabled(edge_vec.device, edge_vec.dtype) and kernels.eager_on_cpu(edge_vec, first_layer):
+        from .kernels import geometry_ops  # imports numba: only where the kernels run
+
+        return geometry_ops.edge_geometry(edge_vec, first_layer, harmonics=harmonics, embedding=embedding,
+                                          plain=plain)
+    return plain(edge_vec, first_layer)
