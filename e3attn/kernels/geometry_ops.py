@@ -27,7 +27,7 @@ import torch
 
 from . import _plain_eager, cpu, geometry
 from .ops import _array, _forward_groups
-from .threads import groups_for, parallel
+from .threads import groups_for, parallel, reduction_groups
 
 __all__ = ["edge_geometry"]
 
@@ -95,10 +95,11 @@ def _backward(vectors: torch.Tensor, first_layer: torch.Tensor, constants: tuple
               ) -> Tuple[torch.Tensor, torch.Tensor]:
     empty = vectors.new_empty(0, 1)
     g_vec = torch.empty_like(vectors) if need_vectors else vectors.new_empty(0, 3)
-    g_first = first_layer.new_zeros((cpu.GROUPS if need_first else 0,) + tuple(first_layer.shape))
     work = 2 * _work(vectors, first_layer)
-    # the gradient of the first layer is summed per group (a fixed number: bitwise repeatable)
-    groups = cpu.GROUPS if need_first else groups_for(work, _forward_groups(vectors.shape[0], _TILE))
+    # the gradient of the first layer is summed per group (their number set by the work alone: bitwise repeatable)
+    split = groups_for(work, _forward_groups(vectors.shape[0], _TILE))
+    groups = reduction_groups(work, cpu.GROUPS) if need_first else split
+    g_first = first_layer.new_zeros((groups if need_first else 0,) + tuple(first_layer.shape))
     _run(vectors, first_layer, constants, (g_sh, g_pre, g_r.reshape(-1, 1)), (empty, empty, empty, g_vec, g_first),
          groups, work)
     return g_vec if need_vectors else None, g_first.sum(0) if need_first else None

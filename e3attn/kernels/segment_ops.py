@@ -42,7 +42,7 @@ from . import _plain_eager, cpu, segments
 from .backends import backend
 from .layout import component_major_paths, layout_for, padded_paths
 from .ops import _array, _forward_groups
-from .threads import groups_for, parallel
+from .threads import groups_for, parallel, reduction_groups
 
 __all__ = ["call", "node_expand", "node_outer", "path_features", "path_features_backward"]
 
@@ -147,7 +147,8 @@ def _node_pass(y, a, z, lt, blocks, rowptr, dims, needs) -> Tuple[torch.Tensor, 
     pass over the nodes: with :math:`Q_i = E(z_i, L)`, :math:`t_e = y_e Q_i^T` ``[E, heads * hidden]`` and
     :math:`r_e = a_e Q_i` ``[E, paths]``; with :math:`U_i = \sum_{e \to i} a_e^T y_e`, :math:`R(U_i, L)`
     ``[N, z width]`` and :math:`\sum_i X(U_i, z_i)` ``[L size]`` (the gradient in :math:`L` of
-    :math:`\sum_i \langle E(z_i, L), U_i \rangle`; summed per fixed group of nodes, in order). On the backend
+    :math:`\sum_i \langle E(z_i, L), U_i \rangle`; summed per group of nodes, in order, the groups set by
+    the work alone: :func:`~e3attn.kernels.threads.reduction_groups`). On the backend
     of the tensors' device (:func:`e3attn.kernels.backend`)."""
     table = _node_arguments(a, y, z, lt, blocks, rowptr, dims)
     ref = next(t for t in (y, a, z) if t is not None)
@@ -160,12 +161,12 @@ def _node_pass(y, a, z, lt, blocks, rowptr, dims, needs) -> Tuple[torch.Tensor, 
     a_ = a_.reshape(-1)
     need_t, need_r, need_o, need_g = needs
     num = max(y_.shape[0], a_.shape[0] // max(1, dims[0] * dims[1]))
-    outs = (ref.new_empty(num if need_t else 0, dims[0] * dims[1]), ref.new_empty(num if need_r else 0, dims[2]),
-            ref.new_empty(rowptr.shape[0] - 1 if need_o else 0, dims[3]),
-            ref.new_empty(cpu.GROUPS if need_g else 0, dims[4]))
-    arrays = (outs[0].view(-1).numpy(), outs[1].numpy(), outs[2].numpy(), outs[3].numpy())
     work = sum(needs) * num * dims[0] * dims[1] * dims[2]
-    groups, ptr, table_ = cpu.GROUPS if need_g else _node_groups(rowptr, work), _array(rowptr), _array(blocks)
+    groups = reduction_groups(work, cpu.GROUPS) if need_g else _node_groups(rowptr, work)
+    outs = (ref.new_empty(num if need_t else 0, dims[0] * dims[1]), ref.new_empty(num if need_r else 0, dims[2]),
+            ref.new_empty(rowptr.shape[0] - 1 if need_o else 0, dims[3]), ref.new_empty(groups if need_g else 0, dims[4]))
+    arrays = (outs[0].view(-1).numpy(), outs[1].numpy(), outs[2].numpy(), outs[3].numpy())
+    ptr, table_ = _array(rowptr), _array(blocks)
     parallel(lambda g: segments.node_pass(y_, a_, z_, lt_, table_, dims[0], dims[1], ptr, g, groups, *arrays), groups,
              work)
     return outs[0], outs[1], outs[2], outs[3].sum(0) if need_g else outs[3].new_empty(0)

@@ -33,7 +33,7 @@ import torch
 
 from .._env import env_choice
 
-__all__ = ["parallel", "backend", "threads_for", "groups_for", "SERIAL_BELOW"]
+__all__ = ["parallel", "backend", "threads_for", "groups_for", "reduction_groups", "SERIAL_BELOW"]
 
 _Task = Callable[[int], None]
 
@@ -64,6 +64,13 @@ def groups_for(work: int, groups: int) -> int:
     """``groups``, the split of a call of ``work`` multiply-adds for the threads, or 1 where :func:`parallel` would
     run it on the calling thread (more groups would only add calls). For splits that do not change the result."""
     return groups if threads_for(work) > 1 else 1
+
+
+def reduction_groups(work: int, most: int) -> int:
+    """The groups of a call of ``work`` multiply-adds whose groups sum into buffers of their own (added up in
+    order afterwards): one per :data:`SERIAL_BELOW` of work, at most ``most``. A function of the work alone, never
+    of the threads, so that the sums are bitwise the same on any number of threads."""
+    return max(1, min(most, work // SERIAL_BELOW))
 
 
 def backend() -> str:
