@@ -6,8 +6,13 @@ r"""The geometry that the layers derive from the edge vectors, in one place for 
 
 the spherical harmonics, the outputs of a radial network's first layer and the lengths: on the numba kernels
 of :mod:`e3attn.kernels.geometry_ops` where the layers' kernels run (plain eager CPU tensors, see
-:func:`e3attn.kernels.segments_enabled`), one pass over the edges each way; elsewhere by the PyTorch formulation
-it is given, which those kernels equal.
+:func:`e3attn.kernels.segments_enabled`) and the first layer is not being trained, one pass over the edges each
+way; elsewhere by the PyTorch formulation it is given, which those kernels equal.
+
+A first layer that requires a gradient under autograd is training's: there forces are differentiated again, and
+the kernels take such second derivatives of the plain formulation, recomputed, so their forward pass would be
+work done twice (measured: about 5% of a force-training step of a small molecule). The calculator and evaluation
+(frozen or ``no_grad`` weights) get the kernels: an energy-and-forces call is a first derivative.
 """
 from __future__ import annotations
 
@@ -27,7 +32,8 @@ def edge_geometry(edge_vec: torch.Tensor, first_layer: torch.Tensor, harmonics: 
     r"""``(Y [E, (lmax + 1)^2], p [E, J], r [E])`` of ``edge_vec [E, 3]``: the harmonics of ``harmonics``
     (a :class:`~e3attn.spherical_harmonics.SphericalHarmonics`), ``p = embedding(r) @ first_layer`` for a
     :class:`~e3attn.radial.RadialEmbedding` and a first layer ``[number_of_basis, J]``, and the lengths;
-    ``plain(edge_vec, first_layer)`` computes the same in PyTorch operations.
+    ``plain(edge_vec, first_layer)`` computes the same in PyTorch operations (and runs where the kernels do not,
+    or the first layer is trained: see the module docstring).
 
     Example::
 
@@ -40,7 +46,9 @@ def edge_geometry(edge_vec: torch.Tensor, first_layer: torch.Tensor, harmonics: 
         >>> [t.shape for t in (y, p, r)], bool(torch.allclose(p, plain(v, w1)[1], atol=1e-5))
         ([torch.Size([5, 4]), torch.Size([5, 3]), torch.Size([5])], True)
     """
-    if kernels.segments_enabled(edge_vec.device, edge_vec.dtype) and kernels.eager_on_cpu(edge_vec, first_layer):
+    trained = first_layer.requires_grad and torch.is_grad_enabled()
+    if (not trained and kernels.segments_enabled(edge_vec.device, edge_vec.dtype)
+            and kernels.eager_on_cpu(edge_vec, first_layer)):
         from .kernels import geometry_ops  # imports numba: only where the kernels run
 
         return geometry_ops.edge_geometry(edge_vec, first_layer, harmonics=harmonics, embedding=embedding,

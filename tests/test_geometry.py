@@ -157,16 +157,20 @@ def test_geometry_checks_its_inputs(float64_default):
 
 
 def test_layer_uses_the_kernels_only_in_eager_mode(float64_default, monkeypatch):
-    """The layer's geometry runs on the kernels in eager mode on the CPU, and on the plain formulation with the
-    kernels switched off, under a dispatch mode and for tensor subclasses (and under torch.compile, where
-    tests/test_compile.py runs the layer)."""
+    """The layer's geometry runs on the kernels in eager mode on the CPU with its weights frozen, and on the plain
+    formulation while they are trained, with the kernels switched off, under a dispatch mode and for tensor
+    subclasses (and under torch.compile, where tests/test_compile.py runs the layer)."""
     layer, calls = _layer(), []
     original = geometry_ops.edge_geometry
     monkeypatch.setattr(geometry_ops, "edge_geometry", lambda *a, **k: calls.append(1) or original(*a, **k))
     pos = torch.randn(12, 3, dtype=torch.float64)
     f = layer.irreps_input.randn(12, -1, dtype=torch.float64)
+    trained = layer(f, pos)
+    assert calls == []
+    layer.requires_grad_(False)
     out = layer(f, pos)
     assert calls == [1]
+    torch.testing.assert_close(out, trained, atol=1e-12, rtol=0)
     torch.testing.assert_close(plain(lambda: layer(f, pos)), out, atol=1e-12, rtol=0)
     assert calls == [1]
     v = torch.randn(5, 3, dtype=torch.float64)
@@ -180,3 +184,20 @@ def test_layer_uses_the_kernels_only_in_eager_mode(float64_default, monkeypatch)
 
     with Mode():
         assert not kernels.eager_on_cpu(v, v)
+
+
+def test_edge_geometry_takes_the_kernels_for_frozen_first_layers_only(float64_default):
+    """The dispatch of e3attn.edge_geometry: the kernels where the first layer is frozen or autograd is off (the
+    calculator, evaluation); the plain formulation where it is trained (forces differentiated again)."""
+    from e3attn.edge_geometry import edge_geometry
+
+    layer = _layer()
+    v, first = _vectors(num=50), _first(layer).detach()
+
+    def grad_fn(w):
+        return type(edge_geometry(v, w, layer.sh, layer.embedding, layer._plain_geometry)[1].grad_fn).__name__
+
+    assert grad_fn(first) == "_GeometryBackward"
+    assert grad_fn(first.requires_grad_()) != "_GeometryBackward"
+    with torch.no_grad():
+        assert edge_geometry(v, first, layer.sh, layer.embedding, layer._plain_geometry)[1].grad_fn is None
