@@ -188,7 +188,7 @@ class SphericalTensorProduct(Float64ConstantsModule):
 
         With ``index``, sample :math:`e` uses ``x[index[e]]`` (e.g. the source
         node of every edge). PyTorch operations on every device, differentiable
-        to any order, as :meth:`forward`: it forms the ``[E, weight_numel]``
+        to any order, as ``forward``: it forms the ``[E, weight_numel]``
         weights (the layer itself avoids them where its kernels run, see
         :class:`~e3attn.node_contraction.NodeContraction`).
 

@@ -12,8 +12,8 @@ The kernels see the product as two sparse steps per edge :math:`e`:
    .. math:: z_{e, \mathrm{col}(w) + m} = \sum_k \Big(\sum_h h_{e, h} L_{h, k W + w}\Big)\, y_{e, g, k, m}
 
 The node contraction (:class:`~e3attn.node_contraction.NodeContraction`) computes the first step per edge
-(:func:`e3attn.kernels.segment_ops.path_features`) and takes the second to the nodes, block by block. All arrays
-are built once per product, from its Clebsch-Gordan constant and weight layout.
+(``e3attn::path_features``, :mod:`e3attn.kernels.segment_ops`) and takes the second to the nodes, block by
+block. All arrays are built once per product, from its Clebsch-Gordan constant and weight layout.
 """
 from __future__ import annotations
 
