@@ -99,7 +99,6 @@ class SphericalTensorProduct(Float64ConstantsModule):
         self.irreps_outs = [as_irreps(ir, "irreps_outs") for ir in irreps_outs]
         # plain ints: torch.compile cannot guard on Irreps
         self._dims = (self.irreps_in.dim, self.irreps_sh.dim)
-        self._out_dims = tuple(irreps.dim for irreps in self.irreps_outs)
         # the irreps as one string: names the structure to the custom operators (see ``_structure``)
         self._spec = _SEPARATOR.join(str(irreps) for irreps in (self.irreps_in, self.irreps_sh, *self.irreps_outs))
         if any(mul != 1 for mul, _ in self.irreps_sh):
