@@ -3,29 +3,25 @@ r"""The CPU kernels against the machine's arithmetic peak (a roofline in one run
 For the layer of ``benchmarks/layer.py`` (configurations ``guide`` and ``large``, same graphs), this script
 times the custom operators alone on the layer's own inputs, the gathered node features, the spherical
 harmonics, the radial network's hidden features and its folded last layers. The kernels the layer runs on
-the CPU, its radial weights contracted at the nodes (:class:`e3attn.node_contraction.NodeContraction`):
+the CPU, its radial weights contracted at the nodes (:class:`e3attn.node_contraction.NodeContraction`), are:
 
 * ``node_forward``: ``e3attn::path_features``, ``e3attn::node_expand`` (the logits' contraction) and
   ``e3attn::node_outer`` (the output), as in the layer's forward;
 * ``node_backward``: the calls of the layer's backward (the path features' gradient, two ``node_expand`` and
-  two ``node_outer``), all gradients;
+  two ``node_outer``), all gradients.
 
-and the fused tensor product (keys and values per edge), which runs elsewhere (e.g. ``forward_factored``):
-
-* ``forward``: ``e3attn::fused_product`` (keys and values of every edge);
-* ``backward``: ``e3attn::fused_product_backward``, all four gradients (features, harmonics, hidden
-  features, last layers);
-
-counts their floating-point operations from the product's structure (:func:`flops`: a multiply-add is 2),
-and reports GFLOP/s next to two references measured in the same process with the same thread count:
+It counts their floating-point operations from the product's structure (:func:`node_flops`: a multiply-add is
+2), and those of forming keys and values on every edge instead (:func:`flops`, what the contraction at the nodes
+saves), and reports GFLOP/s next to two references measured in the same process with the same thread count:
 
 * ``peak``: ``torch.mm`` of two 1024 x 1024 float32 matrices (the BLAS's best case: the machine's attainable
   peak);
 * ``blas``: the weight product of the layer, :math:`w = h L` for all edges ``[E, hidden] @ [hidden, numel]``,
   as one ``torch.mm``: the same arithmetic as the kernels' dominant part, in the BLAS's hands.
 
-The ``floor_ms`` columns are the time the kernels would need at the ``peak`` rate: no implementation of the same
-arithmetic can beat it on this machine. Times are medians of ``--repeats`` calls after a warm-up call, the
+The floors are the time the arithmetic would need at the ``peak`` rate: ``node_floor_ms`` that of the node
+kernels, ``edge_floor_ms`` that of the per-edge formulation; no implementation of the same arithmetic can beat
+them on this machine. Times are medians of ``--repeats`` calls after a warm-up call, the
 measurements taking turns.
 
 Usage::
@@ -53,12 +49,13 @@ for path in (ROOT, ROOT / "benchmarks"):  # run from a checkout without installi
 from dense_vs_sparse import cpu_name  # noqa: E402
 from layer import CONFIGS, DEFAULTS, build, write  # noqa: E402
 
-from e3attn.kernels import ops, segment_ops  # noqa: E402
+from e3attn.kernels import segment_ops  # noqa: E402
 from e3attn.kernels.layout import KernelLayout, layout_for  # noqa: E402
 
 
 def flops(layout: KernelLayout, hidden_sizes: Sequence[int]) -> Dict[str, int]:
-    r"""Floating-point operations per edge of the CPU kernels (:mod:`e3attn.kernels.cpu`), by counting.
+    r"""Floating-point operations per edge of forming keys and values on every edge, by counting: in tiles of
+    edges that store nothing per edge (the per-edge kernels of earlier versions), what the node kernels replace.
 
     Per non-zero Clebsch-Gordan coefficient, the path features cost 3 (:math:`y \mathrel{+}= c\,x\,Y`) and their
     backward 5; per output block (:math:`K` paths, :math:`W` channels, :math:`2l+1` components, hidden size
@@ -125,7 +122,8 @@ def node_calls(layer, x, src, dst, sh, seed: int) -> Dict[str, Callable[[], obje
 
 
 def kernel_inputs(config: str, n: int, degree: float, seed: int):
-    """The layer, the destinations of its edges and the fused product's inputs for one case of ``layer.py``."""
+    """The layer, the destinations of its edges and the product's inputs for one case of ``layer.py``: the node
+    features, the sources of the edges, their harmonics, the radial networks' hidden features and last layers."""
     models, f, pos, edge_index = build(config, n, degree, torch.device("cpu"), seed)
     layer = models["e3attn"]
     src, dst = edge_index
@@ -133,9 +131,8 @@ def kernel_inputs(config: str, n: int, degree: float, seed: int):
         edge_vec = pos[src] - pos[dst]
         hidden = layer.radial.hidden_features(layer.embedding(edge_vec.norm(dim=-1)))
         sh = layer.sh(edge_vec)
-        linear = torch.cat([w.reshape(-1) for w in layer.radial.output_layers()])
-    sizes = [h.shape[1] for h in hidden]
-    return layer, dst, (f.detach(), src, sh, torch.cat(hidden, dim=1), linear, sizes)
+        linear = layer.radial.output_layers()
+    return layer, dst, (f.detach(), src, sh, hidden, linear)
 
 
 def median_ms(calls: Dict[str, Callable[[], object]], repeats: int) -> Dict[str, float]:
@@ -154,44 +151,37 @@ def median_ms(calls: Dict[str, Callable[[], object]], repeats: int) -> Dict[str,
 def run_case(config: str, n: int, threads: int, args: argparse.Namespace) -> dict:
     """One row: the kernels' times and rates against the peak and the BLAS on the same weight product."""
     torch.set_num_threads(threads)
-    layer, dst, (x, index, sh, hidden, linear, sizes) = kernel_inputs(config, n, args.degree, args.seed)
-    spec = layer.tp._spec
-    layout = layout_for(spec)
+    layer, dst, (x, index, sh, hidden, linear) = kernel_inputs(config, n, args.degree, args.seed)
+    layout = layout_for(layer.tp._spec)
     edges = sh.shape[0]
-    count = flops(layout, sizes)
+    count = flops(layout, [h.shape[1] for h in hidden])
     node_count = node_flops(layer, layout, edges, n)
-    grad = torch.randn(edges, layout.out_dim, generator=torch.Generator().manual_seed(args.seed))
     square = torch.randn(1024, 1024)
     # the weight product w = h L of every output, as one matrix product per output
-    parts = list(zip(hidden.split(sizes, dim=1), linear.split([h * m for h, m in zip(sizes, layout.weight_numel)])))
-    factors = [(h.contiguous(), w.reshape(h.shape[1], -1)) for h, w in parts]
+    factors = [(h.contiguous(), w.contiguous()) for h, w in zip(hidden, linear)]
     calls = {
         **node_calls(layer, x, index, dst, sh, args.seed),
-        "forward": lambda: ops.fused_product(spec, 0, x, index, sh, hidden, linear, sizes),
-        "backward": lambda: ops.fused_product_backward(spec, 0, x, index, sh, hidden, linear, sizes, grad,
-                                                       [True] * 4),
         "peak": lambda: square @ square,
         "blas": lambda: [h @ w for h, w in factors],
     }
     times = median_ms(calls, args.repeats)
-    rate = {name: count[name] * edges / (times[name] * 1e6) for name in ("forward", "backward")}
-    rate.update({name: node_count[name] / (times[name] * 1e6) for name in node_count})
+    rate = {name: node_count[name] / (times[name] * 1e6) for name in node_count}
     peak = 2 * 1024**3 / (times["peak"] * 1e6)
     blas = count["weights_forward"] * edges / (times["blas"] * 1e6)
     row = {"config": config, "nodes": n, "edges": edges, "threads": threads, "flops_per_edge": count,
            "node_flops": node_count, **{f"{k}_ms": v for k, v in times.items()},
            **{f"{k}_gflops": v for k, v in rate.items()}, "peak_gflops": peak, "blas_gflops": blas,
-           "floor_ms": (count["forward"] + count["backward"]) * edges / (peak * 1e6),
+           "edge_floor_ms": (count["forward"] + count["backward"]) * edges / (peak * 1e6),
            "node_floor_ms": sum(node_count.values()) / (peak * 1e6)}
     print(f"{config:>6} {n:>6} {edges:>8} {threads:>3} "
-          + " ".join(f"{times[k]:9.2f} {rate[k]:7.1f}" for k in ("node_forward", "node_backward", "forward", "backward"))
-          + f" {blas:7.1f} {peak:7.1f} {row['node_floor_ms']:9.2f} {row['floor_ms']:9.2f}", flush=True)
+          + " ".join(f"{times[k]:9.2f} {rate[k]:7.1f}" for k in ("node_forward", "node_backward"))
+          + f" {blas:7.1f} {peak:7.1f} {row['node_floor_ms']:9.2f} {row['edge_floor_ms']:9.2f}", flush=True)
     return row
 
 
 HEADER = (f"{'config':>6} {'nodes':>6} {'edges':>8} {'thr':>3} "
-          + " ".join(f"{name + ' ms':>9} {'GFLOP/s':>7}" for name in ("node fwd", "node bwd", "fwd", "bwd"))
-          + f" {'blas':>7} {'peak':>7} {'node flr':>9} {'floor ms':>9}")
+          + " ".join(f"{name + ' ms':>9} {'GFLOP/s':>7}" for name in ("node fwd", "node bwd"))
+          + f" {'blas':>7} {'peak':>7} {'node flr':>9} {'edge flr':>9}")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -216,8 +206,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     """Run every case, print the table, write the JSON."""
     args = parse_args(argv)
-    print(f"device {cpu_name()} (cpu), float32; GFLOP/s of the layer's kernels at the nodes, of the fused product, "
-          "of the BLAS on w = h L, of a 1024^3 mm; floors at the peak (ms)")
+    print(f"device {cpu_name()} (cpu), float32; GFLOP/s of the layer's kernels at the nodes, of the BLAS on "
+          "w = h L, of a 1024^3 mm; floors at the peak (ms) of the node kernels and of forming w per edge")
     print(HEADER)
     rows = [run_case(config, n, threads, args) for config in args.configs
             for n in (args.sizes or DEFAULTS[config]["sizes"]) for threads in args.threads]

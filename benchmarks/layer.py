@@ -43,7 +43,7 @@ Usage::
     python benchmarks/layer.py                          # both configurations at 1e3 and 1e4 nodes
     python benchmarks/layer.py --device cpu --threads 1
     python benchmarks/layer.py --quick                  # tiny sizes, a smoke test
-    python benchmarks/layer.py --forces --plain         # + force-training step, + e3attn without fused kernels
+    python benchmarks/layer.py --forces --plain         # + force-training step, + e3attn without compiled kernels
     python benchmarks/layer.py --device cuda --forces --plain --cuda-kernels  # e3attn on the Triton kernels
     python benchmarks/layer.py --device cuda --forces --plain --cuda-kernels --peer oeq  # + guide on OpenEquivariance
     python benchmarks/layer.py --busy 1 --threads 2     # e3attn beside a busy process it starts and stops
@@ -91,7 +91,7 @@ METHODS = ("baseline", "e3attn")
 
 
 class PlainFormulation(torch.nn.Module):
-    """``layer`` with its tensor product as plain tensor operations (the fused kernels switched off)."""
+    """``layer`` with its tensor product as plain tensor operations (the compiled kernels switched off)."""
 
     def __init__(self, layer: torch.nn.Module) -> None:
         super().__init__()
@@ -330,7 +330,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="instead of the comparison with the baseline: e3attn quiet (1 and --threads threads) and "
                         "beside K busy processes that this script starts and stops (medians)")
     p.add_argument("--plain", action="store_true",
-                   help="also time e3attn with its tensor product as plain tensor operations (no fused kernels)")
+                   help="also time e3attn with its tensor product as plain tensor operations (no compiled kernels)")
     p.add_argument("--cuda-kernels", action="store_true",
                    help="e3attn on CUDA runs its Triton kernels (e3attn.kernels.set_cuda_kernels; off by default)")
     p.add_argument("--peer", choices=PEERS, default=None,

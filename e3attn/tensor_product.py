@@ -8,7 +8,6 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from e3nn import o3
 
-from . import kernels
 from ._constants import Float64ConstantsModule
 from ._irreps import IrrepsLike, as_irreps, entries
 
@@ -71,10 +70,10 @@ class SphericalTensorProduct(Float64ConstantsModule):
 
     :meth:`forward_factored` takes weights that are a product
     :math:`w^{(t)} = h^{(t)} L^{(t)}` (the last linear layer of a radial
-    network) and never stores the ``[E, weight_numel]`` weights: where they
-    run (:func:`e3attn.kernels.fused_enabled`) it uses the fused kernels of
-    :mod:`e3attn.kernels`, one pass over the samples per direction, the same
-    steps on tiles of samples.
+    network). :class:`~e3attn.node_contraction.NodeContraction` takes the
+    same product, the keys and values of the attention, to the nodes on the
+    compiled kernels of :mod:`e3attn.kernels`, reading its structure by name
+    (``_spec``).
 
     Args:
         irreps_in: irreps of :math:`x`.
@@ -100,7 +99,6 @@ class SphericalTensorProduct(Float64ConstantsModule):
         self.irreps_outs = [as_irreps(ir, "irreps_outs") for ir in irreps_outs]
         # plain ints: torch.compile cannot guard on Irreps
         self._dims = (self.irreps_in.dim, self.irreps_sh.dim)
-        self._out_dims = tuple(irreps.dim for irreps in self.irreps_outs)
         # the irreps as one string: names the structure to the custom operators (see ``_structure``)
         self._spec = _SEPARATOR.join(str(irreps) for irreps in (self.irreps_in, self.irreps_sh, *self.irreps_outs))
         if any(mul != 1 for mul, _ in self.irreps_sh):
@@ -169,7 +167,8 @@ class SphericalTensorProduct(Float64ConstantsModule):
     # ------------------------------------------------------------------ public entry points
 
     def forward(self, x: torch.Tensor, sh: torch.Tensor, weights: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        return self._forward_weights(x, sh, weights, self.constant("cg", sh.dtype))
+        ys = self._products(x.T, sh.T, self.constant("cg", sh.dtype))
+        return [self._contract(t, ys, w=w.T).T for t, w in enumerate(weights)]
 
     def forward_factored(
         self,
@@ -179,26 +178,18 @@ class SphericalTensorProduct(Float64ConstantsModule):
         linear: Sequence[torch.Tensor],
         *,
         index: Optional[torch.Tensor] = None,
-        chunk_size: Optional[int] = None,
     ) -> List[torch.Tensor]:
-        r"""The tensor products with weights :math:`w^{(t)} = h^{(t)} L^{(t)}`, never stored for all samples.
+        r"""The tensor products with weights :math:`w^{(t)} = h^{(t)} L^{(t)}` (e.g. a radial network's last layer).
 
         .. math::
 
             \mathrm{forward\_factored}(x, Y, h, L) = \mathrm{forward}\big(x, Y, [h^{(t)} L^{(t)}]_t\big)
 
         With ``index``, sample :math:`e` uses ``x[index[e]]`` (e.g. the source
-        node of every edge), gathered inside the kernel. On the CPU (and on CUDA
-        after :func:`e3attn.kernels.set_cuda_kernels` ``(True)``), in float32
-        and float64, it runs the fused kernels of :mod:`e3attn.kernels`: one pass
-        over the samples per direction, in tiles of ``chunk_size`` samples
-        (default: 64 or 128, from the width of the weight blocks), that never
-        stores the ``[E, weight_numel]`` weights, differentiable to any order on the same kernels (forces and their
-        training included), as the custom operators ``e3attn::fused_product``
-        and ``e3attn::fused_product_backward``, which ``torch.compile`` keeps
-        in its graph. Elsewhere (other devices and dtypes, CUDA by default, autocast,
-        ``torch.func`` transforms, or after :func:`e3attn.kernels.set_fused_kernels`
-        ``(False)``) it runs the plain formulation, ``forward`` of :math:`h^{(t)} L^{(t)}`.
+        node of every edge). PyTorch operations on every device, differentiable
+        to any order, as ``forward``: it forms the ``[E, weight_numel]``
+        weights (the layer itself avoids them where its kernels run, see
+        :class:`~e3attn.node_contraction.NodeContraction`).
 
         Args:
             x: ``[E, irreps_in.dim]``, or ``[N, irreps_in.dim]`` with ``index``.
@@ -206,7 +197,6 @@ class SphericalTensorProduct(Float64ConstantsModule):
             hidden: per output, ``[E, h_t]`` (e.g. the hidden layer of a radial network).
             linear: per output, ``[h_t, weight_numel[t]]``.
             index: optional ``[E]`` rows of ``x``.
-            chunk_size: samples per tile of the fused kernels.
 
         Returns:
             a list of ``[E, irreps_outs[t].dim]``.
@@ -219,16 +209,8 @@ class SphericalTensorProduct(Float64ConstantsModule):
             [torch.Size([7, 6])]
         """
         self._check_factored(x, sh, hidden, linear, index)
-        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
-                                       or chunk_size <= 0):
-            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-        if not kernels.fused_enabled(sh.device, sh.dtype):  # e.g. autocast, which mixes dtypes on purpose
-            return self._forward_plain(x, sh, hidden, linear, index, self.constant("cg", sh.dtype))
-        dtypes = {t.dtype for t in (x, sh, *hidden, *linear)}
-        if len(dtypes) > 1:
-            raise ValueError(f"x, sh, hidden and linear must share one dtype, got {sorted(map(str, dtypes))}")
-        index = index.long() if index is not None else None
-        return kernels.fused_factored_product(self._spec, self._out_dims, x, sh, hidden, linear, index, chunk_size or 0)
+        x = x if index is None else x.index_select(0, index)
+        return self.forward(x, sh, [h @ w for h, w in zip(hidden, linear)])
 
     def _check_factored(self, x, sh, hidden, linear, index) -> None:
         """Shapes of the arguments of :meth:`forward_factored`, with errors naming the argument."""
@@ -245,22 +227,15 @@ class SphericalTensorProduct(Float64ConstantsModule):
             raise ValueError(f"x must have one row per row of sh ({num}) when no index is given, got {x.shape[0]}")
         if index is not None and (index.dim() != 1 or index.shape[0] != num):
             raise ValueError(f"index must have shape [{num}] (one row of x per row of sh), got {list(index.shape)}")
+        dtypes = {t.dtype for t in (x, sh, *hidden, *linear)}
+        if len(dtypes) > 1 and not _autocast(sh.device):  # autocast mixes them on purpose
+            raise ValueError(f"x, sh, hidden and linear must share one dtype, got {sorted(map(str, dtypes))}")
         for t, (h, w) in enumerate(zip(hidden, linear)):
             if h.dim() != 2 or h.shape[0] != num:
                 raise ValueError(f"hidden[{t}] must have shape [{num}, h], got {list(h.shape)}")
             if w.dim() != 2 or w.shape[0] != h.shape[1] or w.shape[1] != self.weight_numel[t]:
                 raise ValueError(
                     f"linear[{t}] must have shape [{h.shape[1]}, {self.weight_numel[t]}], got {list(w.shape)}")
-
-    def _forward_weights(self, x, sh, weights, cg: torch.Tensor) -> List[torch.Tensor]:
-        """:meth:`forward` with the constant ``cg`` given (on the device and in the dtype of ``sh``)."""
-        ys = self._products(x.T, sh.T, cg)
-        return [self._contract(t, ys, w=w.T).T for t, w in enumerate(weights)]
-
-    def _forward_plain(self, x, sh, hidden, linear, index, cg: torch.Tensor) -> List[torch.Tensor]:
-        """:meth:`forward_factored` as plain differentiable tensor operations."""
-        x = x if index is None else x.index_select(0, index)
-        return self._forward_weights(x, sh, [h @ w for h, w in zip(hidden, linear)], cg)
 
     def e3nn_weight_index(self, t: int) -> torch.Tensor:
         r"""Index ``i`` such that ``weights[t] = w_e3nn[:, i]`` for e3nn's ``FullyConnectedTensorProduct``.
@@ -334,9 +309,14 @@ class SphericalTensorProduct(Float64ConstantsModule):
         return torch.cat(pieces, dim=0) if pieces else w.new_zeros(0, num)
 
 
+def _autocast(device: torch.device) -> bool:
+    """Whether autocast is on for ``device``."""
+    return torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
+
+
 # ---------------------------------------------------------------------- the structure by name
-# The fused kernels' custom operators name a product by its irreps (``_spec``), so that they never touch a
-# module's buffers; ``_structure`` finds the structure again.
+# The node contraction's custom operators name a product by its irreps (``_spec``), so that they never touch a
+# module's buffers; ``_structure`` finds the structure again (for e3attn.kernels.layout).
 
 _SEPARATOR = " | "
 

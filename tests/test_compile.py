@@ -35,7 +35,7 @@ def test_compiled_layer_equals_eager_for_dynamic_edge_counts(tmp_path):
     assert (tmp_path / "c.json").exists()
 
 
-def test_compiled_graph_runs_the_factored_operator(float64_default):
+def test_compiled_graph_runs_the_node_operators(float64_default):
     # the compiled forward and backward call the kernels' custom operators (not plain operations
     # storing the per-edge weights), with the same values and gradients as eager
     import torch

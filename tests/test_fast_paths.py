@@ -44,18 +44,14 @@ def _inputs(tp, num, nodes=None, hidden=5, seed=0):
     return x, sh, hs, ls
 
 
-@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("gathered", [False, True])
-@pytest.mark.parametrize("chunk_size", [1, 5, None])
 @pytest.mark.parametrize("irreps_in, lmax, outs", TP_CASES)
-def test_factored_product_equals_e3nn(irreps_in, lmax, outs, chunk_size, gathered, fused, float64_default):
-    """The fused kernels (tiles of ``chunk_size``) and the plain formulation equal e3nn."""
-    previous = kernels.set_fused_kernels(fused)
+def test_factored_product_equals_e3nn(irreps_in, lmax, outs, gathered, float64_default):
     tp = SphericalTensorProduct(irreps_in, o3.Irreps.spherical_harmonics(lmax), outs)
     num = 13
     x, sh, hs, ls = _inputs(tp, num, nodes=6 if gathered else None)
     index = torch.randint(0, 6, (num,), generator=torch.Generator().manual_seed(1)) if gathered else None
-    got = tp.forward_factored(x, sh, hs, ls, index=index, chunk_size=chunk_size)
+    got = tp.forward_factored(x, sh, hs, ls, index=index)
     ref = _e3nn_products(tp, x[index] if gathered else x, sh, [h @ w for h, w in zip(hs, ls)])
     cotangents = [torch.randn_like(r) for r in ref]
     inputs = [x, sh, *hs, *ls]
@@ -63,7 +59,6 @@ def test_factored_product_equals_e3nn(irreps_in, lmax, outs, chunk_size, gathere
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
     for a, b in zip(torch.autograd.grad(got, inputs, cotangents), torch.autograd.grad(ref, inputs, cotangents)):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
-    kernels.set_fused_kernels(previous)
 
 
 def test_factored_product_empty_and_single_sample(float64_default):
@@ -87,26 +82,10 @@ def test_factored_product_is_twice_differentiable(float64_default):
     x, sh, hs, ls = _inputs(tp, 4, hidden=2)
 
     def fn(x, sh, h, w):
-        return tp.forward_factored(x, sh, [h], [w], chunk_size=3)[0]
+        return tp.forward_factored(x, sh, [h], [w])[0]
 
     assert torch.autograd.gradcheck(fn, (x, sh, hs[0], ls[0]))
     assert torch.autograd.gradgradcheck(fn, (x, sh, hs[0], ls[0]))
-
-
-def test_factored_product_batched_gradients(float64_default):
-    """The fused operators under ``is_grads_batched=True`` (PyTorch loops over the batch) equal the plain product."""
-    tp = SphericalTensorProduct("1x0e + 1x1o", o3.Irreps.spherical_harmonics(1), ["1x0e + 1x1o"])
-    x, sh, hs, ls = _inputs(tp, 4, hidden=2)
-
-    def jacobians():
-        out = tp.forward_factored(x, sh, hs, ls, chunk_size=3)[0]
-        basis = torch.eye(out.numel()).reshape(-1, *out.shape)
-        found = torch.autograd.grad(out, (x, sh, hs[0], ls[0]), basis, is_grads_batched=True, create_graph=True)
-        return found + torch.autograd.grad(sum(g.pow(2).sum() for g in found), (x, sh))
-
-    assert kernels.fused_enabled(x.device, x.dtype)
-    for a, b in zip(jacobians(), plain(jacobians)):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
 
 
 def test_factored_product_bad_arguments():
@@ -114,8 +93,6 @@ def test_factored_product_bad_arguments():
     x, sh, hs, ls = torch.randn(3, 1), torch.randn(3, 4), [torch.randn(3, 2)] * 2, [torch.randn(2, 1), torch.randn(2, 1)]
     with pytest.raises(ValueError, match="one tensor per output"):
         tp.forward_factored(x, sh, hs[:1], ls)
-    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
-        tp.forward_factored(x, sh, hs, ls, chunk_size=0)
 
 
 @pytest.mark.parametrize("lmax", [0, 1, 2, 3, 4, 5, 6])
@@ -258,55 +235,6 @@ def test_forces_when_no_key_irrep_is_reachable(float64_default):
         (forces,) = torch.autograd.grad(energy, p, create_graph=True)
         forces.pow(2).sum().backward()
         assert torch.isfinite(forces).all()
-
-
-def _only_values_trainable():
-    """A key/value product whose only input requiring a gradient is the values' last layer."""
-    tp = SphericalTensorProduct("2x0e + 1x1o", o3.Irreps.spherical_harmonics(1), ["2x0e", "2x0e + 1x1o"])
-    x, sh = torch.randn(4, 5), torch.randn(4, 4)
-    hs = [torch.randn(4, 3), torch.randn(4, 3)]
-    return tp, x, sh, hs, (torch.randn(3, tp.weight_numel[0]), torch.randn(3, tp.weight_numel[1], requires_grad=True))
-
-
-def test_factored_create_graph_with_an_output_independent_of_the_inputs(float64_default):
-    tp, x, sh, hs, (l0, l1) = _only_values_trainable()
-    _, v = tp.forward_factored(x, sh, hs, [l0, l1])
-    (grad,) = torch.autograd.grad(v.pow(2).sum(), l1, create_graph=True)
-    (expected,) = torch.autograd.grad(tp.forward(x, sh, [h @ w for h, w in zip(hs, [l0, l1])])[1].pow(2).sum(), l1)
-    torch.testing.assert_close(grad, expected, atol=1e-12, rtol=0)
-
-
-def test_factored_output_independent_of_grad_inputs_does_not_require_grad(float64_default):
-    """Only the value weights require a gradient: the keys do not (an error on backward, not zeros)."""
-    tp, x, sh, hs, (l0, l1) = _only_values_trainable()
-    k, v = tp.forward_factored(x, sh, hs, [l0, l1])
-    assert not k.requires_grad and v.requires_grad
-    with pytest.raises(RuntimeError, match="does not require grad"):
-        k.sum().backward()
-    (grad,) = torch.autograd.grad((k.sum() + v.pow(2).sum()), l1)
-    (expected,) = torch.autograd.grad(tp.forward(x, sh, [h @ w for h, w in zip(hs, [l0, l1])])[1].pow(2).sum(), l1)
-    torch.testing.assert_close(grad, expected, atol=1e-12, rtol=0)
-    x.requires_grad_()
-    assert all(out.requires_grad for out in tp.forward_factored(x, sh, hs, [l0, l1]))
-
-
-@pytest.mark.parametrize("needs", ["hidden", "linear", "x", "sh"])
-def test_factored_gradients_of_some_inputs_only(needs, float64_default):
-    """The backward skips the gradients nobody asked for; the others equal plain autograd."""
-    tp = SphericalTensorProduct(*TP_CASES[1][:2][:1], o3.Irreps.spherical_harmonics(TP_CASES[1][1]), TP_CASES[1][2])
-    x, sh, hs, ls = _inputs(tp, 9, nodes=5)
-    index = torch.randint(0, 5, (9,), generator=torch.Generator().manual_seed(2))
-    groups = {"x": [x], "sh": [sh], "hidden": hs, "linear": ls}
-    for name, tensors in groups.items():
-        for t in tensors:
-            t.requires_grad_(name == needs)
-    outs = tp.forward_factored(x, sh, hs, ls, index=index, chunk_size=4)
-    ref = tp.forward(x[index], sh, [h @ w for h, w in zip(hs, ls)])
-    cotangents = [torch.randn_like(r) for r in ref]
-    got = torch.autograd.grad(outs, groups[needs], cotangents)
-    expected = torch.autograd.grad(ref, groups[needs], cotangents)
-    for a, b in zip(got, expected):
-        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
 
 
 def test_inference_mode_then_training():

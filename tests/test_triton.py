@@ -1,10 +1,11 @@
-"""The Triton kernels (e3attn.kernels.gpu): equal to the plain formulation, values, first and second derivatives.
+"""The Triton backend of the node contraction (e3attn.kernels.segments_triton) where the layer runs it: on CUDA
+after ``kernels.set_cuda_kernels(True)``, equal to the CPU's kernels and accurate in float32; the switches that
+choose it. The operators themselves are tested on both backends in test_node_contraction.py.
 
 On a machine with CUDA they run on the GPU; elsewhere Triton's interpreter runs the same kernels on CPU tensors
 (``TRITON_INTERPRET=1``, set in conftest.py, and the operators routed to them with
 ``kernels.set_cpu_backend("triton")``), so these tests run everywhere.
 """
-import importlib
 import os
 import subprocess
 import sys
@@ -15,15 +16,9 @@ import torch
 
 from e3attn import kernels
 from e3attn.attention import EquivariantAttention
-from e3attn.kernels import ops
-from test_fast_paths import TP_CASES
-from test_kernels import _case, _op_args
 
 pytest.importorskip("triton")
 CUDA = torch.cuda.is_available()
-
-
-gpu = importlib.import_module("e3attn.kernels.gpu")  # interpreted without CUDA (conftest.py)
 
 
 @pytest.fixture
@@ -39,35 +34,15 @@ def device():
         kernels.set_cpu_backend(previous)
 
 
-def _on(device, tensors):
-    return [t.detach().to(device).requires_grad_(t.requires_grad) if t is not None and t.is_floating_point()
-            else (t.to(device) if t is not None else None) for t in tensors]
+def test_the_layer_runs_the_triton_kernels_when_enabled(device, monkeypatch):
+    import e3attn.kernels.segments_triton as segments_triton  # interpreted without CUDA (conftest.py)
 
-
-@pytest.mark.parametrize("case, nodes, num", [(case, nodes, 37) for case in TP_CASES for nodes in (None, 5)]
-                         + [(TP_CASES[0], 40, 300)])
-def test_triton_forward_and_backward_equal_the_plain_formulation(case, nodes, num, device, float64_default):
-    """Gathered or not, one tile or several (300 edges); every gradient, against plain autograd in float64."""
-    tp, x, sh, hs, ls, index = _case(case, num=num, nodes=nodes or 0)
-    inputs = [x, sh, *hs, *ls]
-    ref = tp._forward_plain(x, sh, hs, ls, index, tp.constant("cg", torch.float64))
-    cot = [torch.randn(o.shape, dtype=torch.float64) for o in ref]
-    ref_grads = torch.autograd.grad(ref, inputs, cot)
-
-    x_d, sh_d, index_d, *rest = _on(device, [x, sh, index, *hs, *ls])
-    hs_d, ls_d = rest[: len(hs)], rest[len(hs):]
-    outs = tp.to(device).forward_factored(x_d, sh_d, hs_d, ls_d, index=index_d)
-    grads = torch.autograd.grad(outs, [x_d, sh_d, *hs_d, *ls_d], [c.to(device) for c in cot])
-    for a, b in zip([*outs, *grads], [*ref, *ref_grads]):
-        torch.testing.assert_close(a.cpu(), b, atol=1e-12, rtol=1e-12)
-
-
-def test_triton_kernels_run_when_enabled(device, float64_default, monkeypatch):
-    calls, original = [], gpu.forward
-    monkeypatch.setattr(gpu, "forward", lambda *args: calls.append(args[0]) or original(*args))
-    tp, *args = _op_args()
-    ops.fused_product(tp._spec, 0, *_on(device, args[0][:5]), args[0][5])
-    assert len(calls) == 1
+    calls, original = [], segments_triton.node_pass
+    monkeypatch.setattr(segments_triton, "node_pass", lambda *args: calls.append(args[-1]) or original(*args))
+    torch.manual_seed(0)
+    layer = EquivariantAttention("2x0e + 1x1o", "2x0e", "2x0e", "2x0e + 1x1o", max_radius=1.5).to(device)
+    layer(torch.randn(6, 5, device=device), torch.randn(6, 3, device=device))
+    assert len(calls) == 2  # the logits (node_expand) and the output (node_outer)
 
 
 def test_cuda_kernels_are_opt_in():
@@ -86,67 +61,11 @@ def test_cuda_kernels_are_opt_in():
         kernels.set_cuda_kernels("yes")
 
 
-def test_triton_second_derivatives_equal_the_plain_formulation(device, float64_default):
-    """Forces-style: a differentiable first derivative, then the gradient of a function of it (the output
-    gradient too): the backward of the backward composed from the Triton forward and backward."""
-    tp, x, sh, hs, ls, index = _case(TP_CASES[1], num=11, nodes=5)
-    results = []
-    for on in ("plain", device):
-        inputs = [x, sh, index, *hs, *ls] if on == "plain" else _on(on, [x, sh, index, *hs, *ls])
-        xi, shi, idx, *rest = inputs
-        hsi, lsi = rest[: len(hs)], rest[len(hs):]
-        if on == "plain":
-            outs = tp._forward_plain(xi, shi, hsi, lsi, idx, tp.constant("cg", torch.float64))
-        else:
-            outs = tp.forward_factored(xi, shi, hsi, lsi, index=idx)
-        cot = [torch.linspace(-1, 1, o.numel(), dtype=torch.float64, device=o.device).reshape(o.shape)
-               .requires_grad_() for o in outs]
-        leaves = [xi, shi, *hsi, *lsi]
-        first = torch.autograd.grad(outs, leaves, cot, create_graph=True)
-        scalar = sum((g * g.detach().sin()).sum() for g in first)
-        results.append([g.cpu() for g in torch.autograd.grad(scalar, leaves + cot, materialize_grads=True,
-                                                              allow_unused=True)])
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-11)
-
-
-def test_triton_float32_is_accurate(device):
-    """float32 kernels (IEEE products, no TF32) against float64 to single-precision accuracy."""
-    tp, (x, index, sh, hidden, linear, sizes) = _op_args(TP_CASES[0], nodes=9, num=70)
-    args64 = [t.detach() if t is not None else None for t in (x, index, sh, hidden, linear)]
-    ref = ops.fused_product(tp._spec, 0, *_on(device, args64), sizes).cpu()
-    args32 = [t.float() if t is not None and t.is_floating_point() else t for t in args64]
-    out = ops.fused_product(tp._spec, 0, *_on(device, args32), sizes).cpu()
-    torch.testing.assert_close(out.double(), ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-5)
-
-
-def test_triton_empty_and_single_edge(device, float64_default):
-    for num in (0, 1):
-        tp, x, sh, hs, ls, index = _case(TP_CASES[0], num=num, nodes=3)
-        ref = tp._forward_plain(x, sh, hs, ls, index, tp.constant("cg", torch.float64))
-        x_d, sh_d, index_d, *rest = _on(device, [x, sh, index, *hs, *ls])
-        outs = tp.forward_factored(x_d, sh_d, rest[:2], rest[2:], index=index_d)
-        for a, b in zip(outs, ref):
-            assert a.shape == b.shape
-            torch.testing.assert_close(a.cpu(), b, atol=1e-12, rtol=0)
-        grads = torch.autograd.grad([o.sum() for o in outs], [x_d, sh_d, *rest])
-        ref_grads = torch.autograd.grad([o.sum() for o in ref], [x, sh, *hs, *ls])
-        for a, b in zip(grads, ref_grads):
-            torch.testing.assert_close(a.cpu(), b, atol=1e-12, rtol=0)
-
-
-def test_backward_backward_operator_is_numba_only(device):
-    tp, (x, index, sh, hidden, linear, sizes) = _op_args()
-    args = _on(device, [x.detach(), index, sh.detach(), hidden.detach(), linear.detach()])
-    grad = torch.zeros(sh.shape[0], sum(o.dim for o in tp.irreps_outs), dtype=sh.dtype, device=device)
-    with pytest.raises(NotImplementedError, match="numba kernels"):
-        ops.fused_product_backward_backward(tp._spec, 0, *args, sizes, grad, None, None, None, None, [True] * 5)
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="CUDA is not available")
 def test_layer_force_step_on_cuda_equals_cpu(float64_default):
-    """The whole layer on the GPU (fused kernels) against the CPU, a force-training step in float64."""
+    """The whole layer on the GPU (the node contraction on Triton) against the CPU, a force-training step in
+    float64."""
     torch.manual_seed(0)
     layer = EquivariantAttention("4x0e + 2x1o", "3x0e + 1x1o", "3x0e + 1x1o", "2x0e + 2x1o", max_radius=1.5)
     pos, f = torch.randn(40, 3), layer.irreps_input.randn(40, -1)

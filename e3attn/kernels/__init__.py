@@ -1,4 +1,4 @@
-r"""Compiled kernels: the attention contracted at the nodes, and the fused tensor product with folded radial weights.
+r"""Compiled kernels: the attention contracted at the nodes, on numba (CPU) or Triton (CUDA).
 
 :class:`~e3attn.attention.EquivariantAttention` contracts its radial weights at the nodes
 (:class:`~e3attn.node_contraction.NodeContraction`) and never forms keys, values or weights per edge. One
@@ -10,29 +10,21 @@ formulation, two backends, chosen by :func:`backend` for the device of the tenso
   path features, compiled on first use (once per dtype) and cached on disk; or
 * :mod:`e3attn.kernels.segments_triton` (Triton, CUDA tensors; CPU tensors in Triton's interpreter after
   :func:`set_cpu_backend` ``("triton")`` or ``E3ATTN_KERNEL_BACKEND=triton``);
+* :mod:`e3attn.kernels.layout`: the product's structure as flat arrays, which both backends read;
 * :mod:`e3attn.kernels.geometry_ops` and :mod:`e3attn.kernels.softmax_ops`: on the CPU (numba) the edges'
   harmonics, radial first layer and lengths, and the attention's softmax over each node's edges, one pass per
   direction each (``torch.autograd.Function`` s for plain eager tensors, :func:`eager_on_cpu`);
+* :mod:`e3attn.kernels.cpu`: the numba loops those CPU kernels share;
 * :mod:`e3attn.kernels.threads`: the threads that run the numba kernels (PyTorch's own OpenMP threads where
   possible).
-
-Elsewhere, :meth:`SphericalTensorProduct.forward_factored <e3attn.tensor_product.SphericalTensorProduct.forward_factored>`
-forms keys and values per edge (the layer's :meth:`~e3attn.attention.EquivariantAttention.dense` form) in one
-compiled pass over the edges per direction, forces included (the second derivative reuses the same kernels through
-the multilinearity of the product, see :mod:`e3attn.kernels.ops`):
-
-* :mod:`e3attn.kernels.layout`: the product's structure as flat arrays;
-* :mod:`e3attn.kernels.cpu`: numba kernels (CPU, float32 and float64), compiled on first use (once
-  per dtype, about 20 s) and cached on disk;
-* :mod:`e3attn.kernels.gpu`: Triton kernels (CUDA, float32 and float64), compiled by Triton on first use;
-* :mod:`e3attn.kernels.ops`: the custom operators ``e3attn::fused_product``,
-  ``e3attn::fused_product_backward`` and ``e3attn::fused_product_backward_backward``.
 
 The kernels run CPU tensors, and CUDA tensors after :func:`set_cuda_kernels` (opt-in while the GPU benchmark
 has not shown them faster than the plain formulation in every case), in float32 and float64, outside autocast,
 ``torch.func`` transforms and forward-mode AD; :func:`fused_enabled` is the one place that decides, and
-:func:`segments_enabled` says where the layer contracts at the nodes. Everything else runs the plain
-formulation, which :func:`set_fused_kernels` ``(False)`` (or the environment variable
+:func:`segments_enabled` says where the layer contracts at the nodes. Everything else, and
+:meth:`~e3attn.attention.EquivariantAttention.dense` and
+:meth:`~e3attn.tensor_product.SphericalTensorProduct.forward_factored` everywhere, runs the plain formulation
+(PyTorch operations), which :func:`set_fused_kernels` ``(False)`` (or the environment variable
 ``E3ATTN_FUSED_KERNELS=0``) selects everywhere, e.g. to compare the two.
 
 Example::
@@ -47,7 +39,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from typing import List, Optional, Sequence
 
 import torch
 
@@ -55,8 +46,8 @@ from .._env import env_flag
 from . import backends
 from .backends import backend, set_cpu_backend
 
-__all__ = ["backend", "eager_on_cpu", "fused_enabled", "fused_factored_product", "segments_enabled",
-           "set_cpu_backend", "set_cuda_kernels", "set_fused_kernels"]
+__all__ = ["backend", "eager_on_cpu", "fused_enabled", "segments_enabled", "set_cpu_backend", "set_cuda_kernels",
+           "set_fused_kernels"]
 
 _DTYPES = (torch.float32, torch.float64)
 _ENABLED = env_flag("E3ATTN_FUSED_KERNELS", True)
@@ -72,22 +63,25 @@ def _switch(name: str, enabled: bool) -> bool:
 
 
 def set_fused_kernels(enabled: bool) -> bool:
-    """Use the compiled kernels where they run (the default): the fused product in ``forward_factored`` and the
-    layer's node kernels (:func:`segments_enabled`); or the plain formulation everywhere (also
-    ``E3ATTN_FUSED_KERNELS=0``). Returns the previous setting."""
+    """Switch the compiled kernels on (the default) or off. On, they run where :func:`fused_enabled` says: the
+    layer's numba kernels for CPU tensors (its node contraction, :func:`segments_enabled`, its geometry and its
+    softmax), and its Triton kernels for CUDA tensors after :func:`set_cuda_kernels` ``(True)``. Off (also
+    ``E3ATTN_FUSED_KERNELS=0``), the plain formulation runs on every device. (The name is that of earlier
+    versions, whose kernels fused the tensor product per edge.) Returns the previous setting."""
     return _switch("_ENABLED", enabled)
 
 
 def set_cuda_kernels(enabled: bool) -> bool:
     """Run CUDA tensors on the Triton kernels (opt-in; also ``E3ATTN_CUDA_KERNELS=1``): the layer's node
-    contraction (:mod:`e3attn.kernels.segments_triton`) and the fused product; or on the plain formulation (the
+    contraction (:mod:`e3attn.kernels.segments_triton`); or on the plain formulation (the
     default until the GPU benchmark shows the kernels faster everywhere: see :doc:`/guide/performance`). Returns
     the previous setting."""
     return _switch("_CUDA_ENABLED", enabled)
 
 
 def fused_enabled(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``forward_factored`` runs the fused kernels for tensors of ``dtype`` on ``device``.
+    """Whether the compiled kernels run tensors of ``dtype`` on ``device`` (the layer's node contraction,
+    :func:`segments_enabled`).
 
     On the CPU, and on CUDA after :func:`set_cuda_kernels` ``(True)`` (with Triton installed), in float32
     and float64, neither under autocast nor inside a ``torch.func`` transform nor in forward-mode AD
@@ -109,7 +103,7 @@ def segments_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     (:class:`~e3attn.node_contraction.NodeContraction`, on the kernels of :mod:`e3attn.kernels.segment_ops`):
     wherever the kernels run (:func:`fused_enabled`), on numba or Triton (:func:`backend`). Elsewhere the layer
     computes keys and values per edge with
-    :meth:`~e3attn.tensor_product.SphericalTensorProduct.forward_factored`.
+    :meth:`~e3attn.tensor_product.SphericalTensorProduct.forward_factored` (PyTorch operations).
     """
     return fused_enabled(device, dtype)
 
@@ -139,19 +133,3 @@ def _plain_eager(tensors) -> bool:
 @functools.lru_cache(maxsize=None)
 def _has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
-
-
-def fused_factored_product(spec: str, out_dims: Sequence[int], x: torch.Tensor, sh: torch.Tensor,
-                           hidden: Sequence[torch.Tensor], linear: Sequence[torch.Tensor],
-                           index: Optional[torch.Tensor] = None, tile: int = 0) -> List[torch.Tensor]:
-    """The outputs (of dimensions ``out_dims``) of ``forward_factored`` of the product named by ``spec``, through
-    ``e3attn::fused_product``."""
-    from . import ops
-
-    hidden_cat = torch.cat(list(hidden), dim=1) if len(hidden) > 1 else hidden[0]
-    linear_flat = torch.cat([w.reshape(-1) for w in linear]) if len(linear) > 1 else linear[0].reshape(-1)
-    out = ops.fused_product(spec, tile, x, index, sh, hidden_cat, linear_flat, [h.shape[1] for h in hidden])
-    shared = x.requires_grad or sh.requires_grad
-    # output t depends on x, sh and its own hidden[t], linear[t]: it requires a gradient only through those
-    return [z if shared or h.requires_grad or w.requires_grad else z.detach()
-            for z, h, w in zip(out.split(list(out_dims), dim=1), hidden, linear)]

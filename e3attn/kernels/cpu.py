@@ -1,40 +1,45 @@
-r"""The fused tensor product on the CPU: numba kernels, one pass over the edges per direction.
+r"""The numba building blocks shared by the CPU kernels (:mod:`e3attn.kernels.segments`,
+:mod:`e3attn.kernels.geometry`, :mod:`e3attn.kernels.softmax_ops`), and how those split their work.
 
-Every kernel walks one group of tiles of ``tile`` edges (the groups run in parallel on threads:
-the kernels release the GIL) and keeps every intermediate of a tile in small buffers laid out
-edges last, ``[features, tile]``, so that every inner loop runs over the edges of the tile,
-vectorised whatever the irreps: the gathered inputs,
-the path features :math:`y` ``[paths, tile]``, and one output block at a time its weights
-:math:`w = L^T h` ``[K W, tile]`` and its output (or gradient) ``[2l+1, W, tile]``. The
-``[E, weight_numel]`` weights are never stored and ``x[index]`` is gathered inside.
+The kernels walk tiles of edges (or nodes) and keep a tile's intermediates in small buffers laid out edges last,
+``[features, tile]``, so that every inner loop runs over the edges of the tile, vectorised whatever the irreps.
+These are the loops they share: loading and storing a tile (``_load``, gathering rows by an index, and
+``_store``), the path features :math:`y = P(x, Y)` of a tile and their gradients (``_paths``,
+``_paths_backward``: one multiply-add per non-zero Clebsch-Gordan coefficient), a small matrix product along the
+edges (``_mac``) and the sums over the edges of products of rows (``_dots``).
 
-* :func:`forward`: :math:`z = F(x, Y, h, L)`;
-* :func:`backward`: the gradients of :math:`\langle g, F \rangle` with respect to :math:`x, Y, h, L`;
-* :func:`backward_backward`: the gradients, with respect to :math:`g, x, Y, h, L`, of
-  :math:`\langle g, D F[v] \rangle = \sum_a \langle v_a, \partial_a \langle g, F \rangle \rangle`
-  for directions :math:`v` (the backward of the backward, e.g. training on forces).
-
-The gradient of :math:`L` is accumulated in one buffer per group of tiles (a fixed number of groups,
-independent of the number of threads) and the groups are summed in order, so results are bitwise
-repeatable. Compiled on first use, once per dtype, and cached on disk by numba (next to this file,
-or in numba's per-user cache directory when that is read-only).
-
-``structure`` is the tuple of :func:`e3attn.kernels.ops` ``_structure``: the arrays of a
-:class:`~e3attn.kernels.layout.KernelLayout` and the sizes of the hidden features and weights.
+A gradient summed over the edges is accumulated in one buffer per group of work (:data:`GROUPS` groups,
+independent of the number of threads) and the groups are summed in order, so results are bitwise repeatable.
+The kernels are compiled on first use, once per dtype, and cached on disk by numba (next to their module, or in
+numba's per-user cache directory when that is read-only).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import numba
 import numpy as np
+import torch
 
-__all__ = ["forward", "backward", "backward_backward", "GROUPS"]
+__all__ = ["GROUPS"]
 
-# groups of tiles with their own weight-gradient buffer (load balance on a busy machine, bounded memory)
+#: Groups of work with their own buffer for a gradient summed over the edges (load balance on a busy machine,
+#: bounded memory).
 GROUPS = 8
 # no nnan/ninf: NaN and infinities propagate as in PyTorch
 _FASTMATH = {"contract", "reassoc", "nsz", "arcp"}
 _JIT = dict(nogil=True, cache=True, fastmath=_FASTMATH)
-_INLINE = dict(inline="always", **_JIT)
+
+
+def _array(t: Optional[torch.Tensor]) -> np.ndarray:
+    """A contiguous NumPy view of ``t`` (an empty one for None)."""
+    return np.empty(0, np.int64) if t is None else t.detach().contiguous().numpy()
+
+
+def _forward_groups(num: int, tile: int) -> int:
+    """Groups of tiles of a pass without a summed gradient: a few per thread (no reduction: any split gives the
+    same result)."""
+    return max(1, min((num + tile - 1) // tile, 4 * torch.get_num_threads()))
 
 
 # ------------------------------------------------------------------ building blocks (edges last)
@@ -149,263 +154,3 @@ def _dots(out, base, stride, a, a_off, n_a, b, n_b, n, zero):
                     out[r + stride + 1] += s11
             j += 2
         i += 2
-
-
-@numba.njit(**_JIT)
-def _contract(z, wt, y, poff, kdim, dim_l, width, n):
-    """``z[m, w, e] += sum_k wt[k W + w, e] y[poff + k (2l+1) + m, e]``: a block's output."""
-    for k in range(kdim):
-        for m in range(dim_l):
-            yr = y[poff + k * dim_l + m]
-            for w in range(width):
-                zr, wr = z[m, w], wt[k * width + w]
-                for e in range(n):
-                    zr[e] += wr[e] * yr[e]
-
-
-@numba.njit(**_JIT)
-def _contract_weights(gy, wt, gz, poff, kdim, dim_l, width, n):
-    """``gy[poff + k (2l+1) + m, e] += sum_w wt[k W + w, e] gz[m, w, e]``: the gradient of the path features."""
-    for k in range(kdim):
-        for m in range(dim_l):
-            gr = gy[poff + k * dim_l + m]
-            for w in range(width):
-                wr, zr = wt[k * width + w], gz[m, w]
-                for e in range(n):
-                    gr[e] += wr[e] * zr[e]
-
-
-@numba.njit(**_JIT)
-def _contract_paths(gwt, gz, y, poff, kdim, dim_l, width, n):
-    """``gwt[k W + w, e] = sum_m gz[m, w, e] y[poff + k (2l+1) + m, e]``: the gradient of the weights."""
-    for k in range(kdim):
-        for w in range(width):
-            gr = gwt[k * width + w]
-            gr[:n] = 0.0
-            for m in range(dim_l):
-                yr, zr = y[poff + k * dim_l + m], gz[m, w]
-                for e in range(n):
-                    gr[e] += zr[e] * yr[e]
-
-
-@numba.njit(**_INLINE)
-def _block(s, b):
-    """Block ``b``: ``(poff, K, 2l+1, W, first channel, hidden offset, hidden size, weights base, numel)``."""
-    blocks, hidden_offsets, hidden_sizes, lin_offsets, weight_numel = s[5], s[7], s[8], s[9], s[10]
-    t, poff, kdim, dim_l, width, woff, coff = blocks[b]
-    return (poff, kdim, dim_l, width, coff, hidden_offsets[t], hidden_sizes[t], lin_offsets[t] + woff,
-            weight_numel[t])
-
-
-@numba.njit(**_JIT)
-def _grad_block(grad, channels, e0, n, coff, dim_l, width, gz):
-    """The output gradient of a block, ``gz [2l+1, W, tile]``."""
-    for e in range(n):
-        for w in range(width):
-            for m in range(dim_l):
-                gz[m, w, e] = grad[e0 + e, channels[coff + w] + m]
-
-
-@numba.njit(**_JIT)
-def _tile_inputs(x, index, sh, hidden, s, e0, n, xt, sht, ht, y):
-    """A tile's inputs, edges last (``x`` gathered by ``index``), and its path features ``y``."""
-    _load(x, index, e0, n, xt)
-    _load(sh, index[:0], e0, n, sht)
-    _load(hidden, index[:0], e0, n, ht)
-    y[:, :n] = 0.0
-    _paths(n, xt, sht, s, y)
-
-
-@numba.njit(**_JIT)
-def _buffers(x, sh, hidden, s, tile):
-    """A backward's tile buffers: the inputs ``xt, sht, ht``, ``y``, ``gy``, the weights and their
-    gradient ``wt, gwt`` ``[K W, tile]``, the output gradient ``gz``, and the gradients ``ght, gxt, gsht``."""
-    num_paths, max_block, max_width, max_dim_l = s[4], s[11], s[12], s[13]
-    features = (np.zeros((x.shape[1], tile), x.dtype), np.zeros((sh.shape[1], tile), x.dtype),
-                np.zeros((hidden.shape[1], tile), x.dtype))
-    return (*features, np.empty((num_paths, tile), x.dtype), np.empty((num_paths, tile), x.dtype),
-            np.empty((max_block, tile), x.dtype), np.empty((max_block, tile), x.dtype),
-            np.empty((max_dim_l, max_width, tile), x.dtype), np.empty((hidden.shape[1], tile), x.dtype),
-            np.empty((x.shape[1], tile), x.dtype), np.empty((sh.shape[1], tile), x.dtype))
-
-
-# ------------------------------------------------------------------ kernels
-
-
-@numba.njit(**_JIT)
-def forward(x, index, sh, hidden, lin, s, tile, gi, groups, out):
-    """Group ``gi`` of ``groups`` of the tiles: the products of all outputs, concatenated, into ``out``
-    ``[E, out_dim]``."""
-    num_paths, max_block, max_width, max_dim_l = s[4], s[11], s[12], s[13]
-    tiles = (sh.shape[0] + tile - 1) // tile
-    xt = np.empty((x.shape[1], tile), x.dtype)
-    sht = np.empty((sh.shape[1], tile), x.dtype)
-    ht = np.empty((hidden.shape[1], tile), x.dtype)
-    y = np.empty((num_paths, tile), x.dtype)
-    wt = np.empty((max_block, tile), x.dtype)
-    z = np.empty((max_dim_l, max_width, tile), x.dtype)
-    for ti in range(gi * tiles // groups, (gi + 1) * tiles // groups):
-        _forward_tile(x, index, sh, hidden, lin, s, tile, ti, out, xt, sht, ht, y, wt, z)
-
-
-@numba.njit(**_JIT)
-def _forward_tile(x, index, sh, hidden, lin, s, tile, ti, out, xt, sht, ht, y, wt, z):
-    """Tile ``ti`` of :func:`forward`, in the given buffers."""
-    i0, i1 = np.int64(0), np.int64(1)  # not literals: each literal argument compiles another _mac
-    channels = s[6]
-    e0 = ti * tile
-    n = min(tile, sh.shape[0] - e0)
-    _tile_inputs(x, index, sh, hidden, s, e0, n, xt, sht, ht, y)
-    for b in range(s[5].shape[0]):
-        poff, kdim, dim_l, width, coff, hoff, hdim, base, numel = _block(s, b)
-        wt[: kdim * width, :n] = 0.0
-        _mac(wt, i0, kdim * width, ht, hoff, hdim, lin, base, i1, numel, n)
-        z[:dim_l, :width, :n] = 0.0
-        _contract(z, wt, y, poff, kdim, dim_l, width, n)
-        for e in range(n):
-            for w in range(width):
-                for m in range(dim_l):
-                    out[e0 + e, channels[coff + w] + m] = z[m, w, e]
-
-
-@numba.njit(**_JIT)
-def backward(x, index, sh, hidden, lin, grad, s, tile, need_inputs, need_hidden, need_lin,
-             gx_edges, gsh, ghidden, glin_groups, gi):
-    """Group ``gi`` of the tiles: the gradients from ``grad`` ``[E, out_dim]`` of the gathered ``x`` per
-    edge, of ``sh`` and ``hidden`` (written, where needed), and of ``lin`` (into ``glin_groups[gi]``)."""
-    i0, i1 = np.int64(0), np.int64(1)  # not literals: each literal argument compiles another _mac
-    channels = s[6]
-    num = sh.shape[0]
-    tiles = (num + tile - 1) // tile
-    groups = glin_groups.shape[0]
-    zero = np.zeros(1, x.dtype)[0]  # accumulators in the dtype of the data
-    glin = glin_groups[gi]
-    glin[:] = 0.0
-    xt, sht, ht, y, gy, wt, gwt, gz, ght, gxt, gsht = _buffers(x, sh, hidden, s, tile)
-    for ti in range(gi * tiles // groups, (gi + 1) * tiles // groups):
-        e0 = ti * tile
-        n = min(tile, num - e0)
-        _tile_inputs(x, index, sh, hidden, s, e0, n, xt, sht, ht, y)
-        gy[:, :n] = 0.0
-        ght[:, :n] = 0.0
-        for b in range(s[5].shape[0]):
-            poff, kdim, dim_l, width, coff, hoff, hdim, base, numel = _block(s, b)
-            size = kdim * width
-            _grad_block(grad, channels, e0, n, coff, dim_l, width, gz)
-            if need_inputs:
-                wt[:size, :n] = 0.0
-                _mac(wt, i0, size, ht, hoff, hdim, lin, base, i1, numel, n)
-                _contract_weights(gy, wt, gz, poff, kdim, dim_l, width, n)
-            if need_hidden or need_lin:
-                _contract_paths(gwt, gz, y, poff, kdim, dim_l, width, n)
-            if need_hidden:  # gh[h, e] += sum_j lin[h, j] gw[j, e]
-                _mac(ght, hoff, hdim, gwt, i0, size, lin, base, numel, i1, n)
-            if need_lin:  # lin[h, j] += sum_e ht[h, e] gw[j, e]
-                _dots(glin, base, numel, ht, hoff, hdim, gwt, size, n, zero)
-        if need_hidden:
-            _store(ght, e0, n, ghidden)
-        if need_inputs:
-            gxt[:, :n] = 0.0
-            gsht[:, :n] = 0.0
-            _paths_backward(n, gy, xt, sht, s, gxt, gsht)
-            _store(gxt, e0, n, gx_edges)
-            _store(gsht, e0, n, gsh)
-
-
-@numba.njit(**_JIT)
-def backward_backward(x, index, sh, hidden, lin, grad, vx, vsh, vhidden, vlin, s, tile, need_grad,
-                      need_inputs, need_hidden, need_lin, ggrad, gx_edges, gsh, ghidden, glin_groups, gi):
-    r"""The backward of :func:`backward` for the directions ``vx``, ``vsh``, ``vhidden``, ``vlin`` (each may be
-    empty: zero), by the multilinearity of the product:
-
-    .. math::
-
-        \partial_g = F(v_x, Y, h, L) + F(x, v_Y, h, L) + F(x, Y, v_h, L) + F(x, Y, h, v_L)
-
-    and, with :math:`y' = P(v_x, Y) + P(x, v_Y)` and :math:`w' = v_h L + h v_L`,
-    :math:`\partial_x = P_x^T(w^T g; v_Y) + P_x^T(w'^T g; Y)` (likewise :math:`Y`),
-    :math:`\partial_h = (g \otimes y') L^T + (g \otimes y) v_L^T`,
-    :math:`\partial_L = h^T (g \otimes y') + v_h^T (g \otimes y)`. Outputs as in :func:`backward`, and
-    ``ggrad`` ``[E, out_dim]``.
-    """
-    i0, i1 = np.int64(0), np.int64(1)  # not literals: each literal argument compiles another _mac
-    channels = s[6]
-    num = sh.shape[0]
-    tiles = (num + tile - 1) // tile
-    groups = glin_groups.shape[0]
-    zero = np.zeros(1, x.dtype)[0]
-    has_vx, has_vsh, has_vh, has_vlin = vx.shape[0] > 0, vsh.shape[0] > 0, vhidden.shape[0] > 0, vlin.shape[0] > 0
-    has_yd, has_wd = has_vx or has_vsh, has_vh or has_vlin
-    glin = glin_groups[gi]
-    glin[:] = 0.0
-    xt, sht, ht, y, gy, wt, gwt, gz, ght, gxt, gsht = _buffers(x, sh, hidden, s, tile)
-    vxt, vsht, vht, yd, gyd, wd, _, z, _, _, _ = _buffers(x, sh, hidden, s, tile)  # directions: zero when absent
-    for ti in range(gi * tiles // groups, (gi + 1) * tiles // groups):
-        e0 = ti * tile
-        n = min(tile, num - e0)
-        _tile_inputs(x, index, sh, hidden, s, e0, n, xt, sht, ht, y)
-        if has_vx:
-            _load(vx, index, e0, n, vxt)
-        if has_vsh:
-            _load(vsh, index[:0], e0, n, vsht)
-        if has_vh:
-            _load(vhidden, index[:0], e0, n, vht)
-        yd[:, :n] = 0.0
-        if has_vx:
-            _paths(n, vxt, sht, s, yd)
-        if has_vsh:
-            _paths(n, xt, vsht, s, yd)
-        gy[:, :n] = 0.0
-        gyd[:, :n] = 0.0
-        ght[:, :n] = 0.0
-        for b in range(s[5].shape[0]):
-            poff, kdim, dim_l, width, coff, hoff, hdim, base, numel = _block(s, b)
-            size = kdim * width
-            _grad_block(grad, channels, e0, n, coff, dim_l, width, gz)
-            if need_grad or (need_inputs and has_yd):  # w = h L
-                wt[:size, :n] = 0.0
-                _mac(wt, i0, size, ht, hoff, hdim, lin, base, i1, numel, n)
-            if has_wd:  # w' = v_h L + h v_L
-                wd[:size, :n] = 0.0
-                if has_vh:
-                    _mac(wd, i0, size, vht, hoff, hdim, lin, base, i1, numel, n)
-                if has_vlin:
-                    _mac(wd, i0, size, ht, hoff, hdim, vlin, base, i1, numel, n)
-            if need_grad:
-                z[:dim_l, :width, :n] = 0.0
-                if has_yd:
-                    _contract(z, wt, yd, poff, kdim, dim_l, width, n)
-                if has_wd:
-                    _contract(z, wd, y, poff, kdim, dim_l, width, n)
-                for e in range(n):
-                    for w in range(width):
-                        for m in range(dim_l):
-                            ggrad[e0 + e, channels[coff + w] + m] = z[m, w, e]
-            if need_inputs:
-                if has_yd:
-                    _contract_weights(gy, wt, gz, poff, kdim, dim_l, width, n)
-                if has_wd:
-                    _contract_weights(gyd, wd, gz, poff, kdim, dim_l, width, n)
-            if (need_hidden or need_lin) and has_yd:  # g (x) y' against L and h
-                _contract_paths(gwt, gz, yd, poff, kdim, dim_l, width, n)
-                if need_hidden:
-                    _mac(ght, hoff, hdim, gwt, i0, size, lin, base, numel, i1, n)
-                if need_lin:
-                    _dots(glin, base, numel, ht, hoff, hdim, gwt, size, n, zero)
-            if (need_hidden and has_vlin) or (need_lin and has_vh):  # g (x) y against v_L and v_h
-                _contract_paths(gwt, gz, y, poff, kdim, dim_l, width, n)
-                if need_hidden and has_vlin:
-                    _mac(ght, hoff, hdim, gwt, i0, size, vlin, base, numel, i1, n)
-                if need_lin and has_vh:
-                    _dots(glin, base, numel, vht, hoff, hdim, gwt, size, n, zero)
-        if need_hidden:
-            _store(ght, e0, n, ghidden)
-        if need_inputs:
-            gxt[:, :n] = 0.0
-            gsht[:, :n] = 0.0
-            if has_yd:
-                _paths_backward(n, gy, vxt, vsht, s, gxt, gsht)
-            if has_wd:
-                _paths_backward(n, gyd, xt, sht, s, gxt, gsht)
-            _store(gxt, e0, n, gx_edges)
-            _store(gsht, e0, n, gsh)

@@ -1,7 +1,7 @@
 r"""The geometry of the edges on the CPU: one pass over the edges per direction (numba).
 
-For every edge vector :math:`\vec r_e` (``vec [E, 3]``) :func:`geometry` computes, tile by tile and edges last like
-the kernels of :mod:`e3attn.kernels.cpu`, what the layer needs of it:
+For every edge vector :math:`\vec r_e` (``vec [E, 3]``) :func:`geometry` computes, tile by tile and edges last in
+the loops of :mod:`e3attn.kernels.cpu`, what the layer needs of it:
 
 * the spherical harmonics :math:`Y(\hat r_e) = M^T \mu(\hat r_e)` ``[E, (lmax + 1)^2]``, the monomials
   :math:`\mu` built degree by degree (``parents``, ``variables``) and the block-diagonal matrix :math:`M` of

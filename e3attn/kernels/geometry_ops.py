@@ -26,7 +26,7 @@ from typing import Callable, Tuple
 import torch
 
 from . import _plain_eager, cpu, geometry
-from .ops import _array, _forward_groups
+from .cpu import _array, _forward_groups
 from .threads import groups_for, parallel, reduction_groups
 
 __all__ = ["edge_geometry"]

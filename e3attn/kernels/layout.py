@@ -1,6 +1,6 @@
-r"""The flat arrays that describe a :class:`~e3attn.tensor_product.SphericalTensorProduct` to a kernel.
+r"""The flat arrays that describe a :class:`~e3attn.tensor_product.SphericalTensorProduct` to the kernels.
 
-A fused kernel sees the product as two sparse steps per edge :math:`e`:
+The kernels see the product as two sparse steps per edge :math:`e`:
 
 1. the *path features* :math:`y_e = P(x_e, Y_e)`, one float per (degree group :math:`g`, path :math:`k`,
    component :math:`m`), from the non-zero Clebsch-Gordan coefficients:
@@ -11,7 +11,9 @@ A fused kernel sees the product as two sparse steps per edge :math:`e`:
 
    .. math:: z_{e, \mathrm{col}(w) + m} = \sum_k \Big(\sum_h h_{e, h} L_{h, k W + w}\Big)\, y_{e, g, k, m}
 
-All arrays are built once per product, from its Clebsch-Gordan constant and weight layout.
+The node contraction (:class:`~e3attn.node_contraction.NodeContraction`) computes the first step per edge
+(``e3attn::path_features``, :mod:`e3attn.kernels.segment_ops`) and takes the second to the nodes, block by
+block. All arrays are built once per product, from its Clebsch-Gordan constant and weight layout.
 """
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ from typing import Dict, NamedTuple, Tuple
 
 import numpy as np
 import torch
-from e3nn import o3
 
-__all__ = ["KernelLayout", "component_major_paths", "kernel_layout", "layout_for", "output_dim", "padded_paths"]
+from ..tensor_product import _structure
+
+__all__ = ["KernelLayout", "component_major_paths", "kernel_layout", "layout_for", "padded_paths"]
 
 # columns of ``KernelLayout.blocks``
 BLOCK_FIELDS = ("output", "path_offset", "k", "dim_l", "width", "weight_offset", "channel_offset")
@@ -50,7 +53,6 @@ class KernelLayout(NamedTuple):
     channels: np.ndarray
     out_offsets: Tuple[int, ...]
     weight_numel: Tuple[int, ...]
-    out_dim: int
 
 
 def kernel_layout(tp) -> KernelLayout:
@@ -101,27 +103,16 @@ def kernel_layout(tp) -> KernelLayout:
         channels=ints(channels),
         out_offsets=out_offsets,
         weight_numel=tuple(tp.weight_numel),
-        out_dim=sum(out_dims),
     )
 
 
 _LAYOUTS: Dict[str, KernelLayout] = {}
 
 
-def output_dim(spec: str) -> int:
-    """The summed dimension of the outputs of the product named by ``spec``, from the irreps alone (no tensors:
-    safe while ``torch.compile`` traces with fake tensors)."""
-    from ..tensor_product import _SEPARATOR
-
-    return sum(o3.Irreps(irreps).dim for irreps in spec.split(_SEPARATOR)[2:])
-
-
 def layout_for(spec: str) -> KernelLayout:
     """The layout of the product named by ``spec`` (``SphericalTensorProduct._spec``), built once per process."""
     layout = _LAYOUTS.get(spec)
     if layout is None:
-        from ..tensor_product import _structure  # the product module uses the kernels
-
         layout = _LAYOUTS[spec] = kernel_layout(_structure(spec))
     return layout
 

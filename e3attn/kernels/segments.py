@@ -21,7 +21,7 @@ of :mod:`e3attn.kernels.cpu` along the contiguous path axis. Every kernel writes
 (and the gradient of :math:`L` into its group's buffer), so results do not depend on the number of threads.
 
 :func:`path_features` computes :math:`y_e = P(x_{\mathrm{src}(e)}, Y_e)` or its gradients in tiles of edges,
-edges last, as the fused product does; :func:`add_rows` sums the gradients of the gathered rows per source node.
+edges last, in the same loops; :func:`add_rows` sums the gradients of the gathered rows per source node.
 """
 from __future__ import annotations
 

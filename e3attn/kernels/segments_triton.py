@@ -14,7 +14,7 @@ The same outputs as :func:`e3attn.kernels.segments.node_pass` (see
 
 No per-edge weights, keys or values are formed: per edge only the path features :math:`y_e` (in the
 component-major layout of :func:`~e3attn.kernels.layout.component_major_paths`), computed with the
-Clebsch-Gordan sums of :mod:`e3attn.kernels.gpu` (``_coefficients_kernel``). Every program writes only its own
+Clebsch-Gordan sums of ``_coefficients_kernel``, one program per tile of edges. Every program writes only its own
 rows, so the node contraction has no atomic additions; the gradient of the gathered features sums per
 source with ``index_add_``.
 
@@ -33,13 +33,12 @@ import triton
 import triton.language as tl
 
 from .._env import env_flag
-from .gpu import BLOCK_E as _PATH_TILE
-from .gpu import _coefficients_kernel
 from .layout import component_major_paths, layout_for
 
 __all__ = ["node_pass", "path_features", "path_features_backward"]
 
 BLOCK_E = 16  # edges per step of a node's segment (tl.dot's least size; most nodes have 10-40 edges)
+_PATH_TILE = 128  # edges per program of the Clebsch-Gordan sums
 
 
 @triton.jit
@@ -216,6 +215,30 @@ def node_pass(y: Optional[torch.Tensor], a: Optional[torch.Tensor], z: Optional[
 # ------------------------------------------------------------------ per edge: the path features and their gradients
 
 
+@triton.jit
+def _coefficients_kernel(a_ptr, a_stride, a_columns_ptr, b_ptr, b_stride, b_columns_ptr, index_ptr, ptr_ptr, order_ptr,
+                         coeff_ptr, out_ptr, num_edges, num_columns, GATHER: tl.constexpr, BLOCK: tl.constexpr):
+    """Sums of Clebsch-Gordan terms, per edge: ``out[e, i] = sum_r c_q a[e, a_q] b[rows(e), b_q]`` with
+    ``q = order[r]`` for ``r`` in ``ptr[i]:ptr[i + 1]``, where ``rows(e)`` is ``index[e]`` (``GATHER``) or ``e``.
+
+    The path features are ``y = (Y by j_q) * (x[index] by i_q)`` listed by path; the gradient of ``x`` per edge
+    is ``(gy by p_q) * (Y by j_q)`` listed by ``i``, that of ``Y`` is ``(gy by p_q) * (x[index] by i_q)`` listed
+    by ``j``. ``out`` is ``[E, num_columns]``."""
+    edges = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = edges < num_edges
+    edges = edges.to(tl.int64)
+    a_rows = edges * a_stride
+    b_rows = (tl.load(index_ptr + edges, mask=mask, other=0).to(tl.int64) if GATHER else edges) * b_stride
+    for i in range(num_columns):
+        acc = tl.zeros((BLOCK,), dtype=out_ptr.dtype.element_ty)
+        for r in range(tl.load(ptr_ptr + i), tl.load(ptr_ptr + i + 1)):
+            q = tl.load(order_ptr + r)
+            a = tl.load(a_ptr + a_rows + tl.load(a_columns_ptr + q), mask=mask, other=0.0)
+            b = tl.load(b_ptr + b_rows + tl.load(b_columns_ptr + q), mask=mask, other=0.0)
+            acc += tl.load(coeff_ptr + q) * a * b
+        tl.store(out_ptr + edges * num_columns + i, acc, mask=mask)
+
+
 class _PathTables(NamedTuple):
     """The Clebsch-Gordan coefficients of a product on a device, listed by path feature (component-major, the
     node kernels' layout), by input column ``i`` and by harmonic ``j`` (CSR pointers and orders)."""
@@ -265,7 +288,7 @@ def _sums(tables: _PathTables, a, a_columns, b, b_columns, index: torch.Tensor, 
     ptr, order = listed
     _coefficients_kernel[(triton.cdiv(num, _PATH_TILE),)](
         a, a.shape[1], a_columns, b, b.shape[1], b_columns, index, ptr, order, tables.c, out, num, num_columns,
-        GATHER_A=False, GATHER_B=gather_b, BLOCK=_PATH_TILE)
+        GATHER=gather_b, BLOCK=_PATH_TILE)
     return out
 
 

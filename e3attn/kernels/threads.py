@@ -1,7 +1,7 @@
 r"""The threads that run the CPU kernels' groups of work.
 
-The kernels of :mod:`e3attn.kernels.cpu` and :mod:`e3attn.kernels.segments` split their work into groups (of
-tiles of edges, or of nodes) and release the GIL, so several threads run them at once. :func:`parallel` runs
+The numba kernels (:mod:`e3attn.kernels.segments`, :mod:`e3attn.kernels.geometry`) split their work into groups
+(of tiles of edges, or of nodes) and release the GIL, so several threads run them at once. :func:`parallel` runs
 ``task(g)`` for every group on as many threads as PyTorch's operations use (``torch.get_num_threads()``):
 
 * on **PyTorch's own OpenMP threads**, where its OpenMP runtime exports ``GOMP_parallel`` (GNU libgomp, the
