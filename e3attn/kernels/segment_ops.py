@@ -40,8 +40,8 @@ from torch.fx.experimental.symbolic_shapes import guard_or_true
 
 from . import _plain_eager, cpu, segments
 from .backends import backend
-from .layout import component_major_paths, layout_for, padded_paths
 from .cpu import _array, _forward_groups
+from .layout import component_major_paths, layout_for, padded_paths
 from .threads import groups_for, parallel, reduction_groups
 
 __all__ = ["call", "node_expand", "node_outer", "path_features", "path_features_backward"]
