@@ -11,7 +11,7 @@ from ._block_matrix import BlockMatrix
 from ._checks import check_dtype, check_int
 from ._irreps import IrrepsLike, as_irreps, entries, entry_starts, split_entries, starts
 
-__all__ = ["split_heads", "head_index", "scale_heads", "MultiHeadDot"]
+__all__ = ["split_heads", "head_index", "scale_heads", "head_dot", "head_outer", "head_sum", "MultiHeadDot"]
 
 
 def split_heads(irreps: IrrepsLike, num_heads: int, name: str = "irreps") -> o3.Irreps:
@@ -75,6 +75,40 @@ def scale_heads(x: torch.Tensor, weight: torch.Tensor, sizes: Sequence[int]) -> 
     parts = [(p.reshape(num, heads, size // heads) * weight[:, :, None]).reshape(num, size)
              for p, size in zip(x.split(list(sizes), dim=1), sizes)]
     return torch.cat(parts, dim=1) if parts else x * 0
+
+
+def head_dot(t: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    r"""Per head, the dot product of a block of ``t`` with ``h``: :math:`s_{e, a} = \sum_k t_{e, a K + k}\, h_{e, k}`.
+
+    With :func:`head_outer` and :func:`head_sum` these are the three contractions of the trilinear form
+    :math:`\sum_{e, a, k} t_{e, a K + k}\, b_{e, a}\, h_{e, k}` (each is the others' derivative): the heads'
+    logits and values of :class:`~e3attn.node_contraction.NodeContraction`.
+
+    Args:
+        t: ``[E, heads * K]``; h: ``[E, K]``.
+
+    Returns:
+        ``[E, heads]``.
+
+    Example::
+
+        >>> t, h = torch.randn(5, 6), torch.randn(5, 3)
+        >>> bool(torch.allclose(head_dot(t, h)[:, 1], (t[:, 3:] * h).sum(1)))
+        True
+    """
+    return (t.reshape(t.shape[0], t.shape[1] // h.shape[1], h.shape[1]) * h[:, None, :]).sum(-1)
+
+
+def head_outer(b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    r"""Every head's weight times ``h``: :math:`t_{e, a K + k} = b_{e, a}\, h_{e, k}`, ``b [E, heads]``,
+    ``h [E, K]`` to ``[E, heads * K]`` (see :func:`head_dot`)."""
+    return (b[:, :, None] * h[:, None, :]).reshape(h.shape[0], b.shape[1] * h.shape[1])
+
+
+def head_sum(b: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    r"""The blocks of ``t`` summed over the heads with the weights ``b``: :math:`h_{e, k} = \sum_a b_{e, a}\,
+    t_{e, a K + k}`, ``b [E, heads]``, ``t [E, heads * K]`` to ``[E, K]`` (see :func:`head_dot`)."""
+    return (b[:, :, None] * t.reshape(t.shape[0], b.shape[1], t.shape[1] // b.shape[1])).sum(1)
 
 
 class MultiHeadDot(torch.nn.Module):

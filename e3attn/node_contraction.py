@@ -5,7 +5,8 @@ from typing import Callable, List, Tuple
 
 import torch
 
-from .heads import MultiHeadDot, head_index
+from .heads import MultiHeadDot, head_dot, head_index, head_outer
+from .kernels import eager_on_cpu
 from .kernels.layout import layout_for, padded_paths
 from .tensor_product import SphericalTensorProduct
 
@@ -117,10 +118,14 @@ class NodeContraction(torch.nn.Module):
         zk = q.flatten(1).index_select(1, self._key_columns)
         lk = linear[0].reshape(-1).index_select(0, self._key_weights)
         t = call(segment_ops.node_expand, y, None, zk, lk, self._key_blocks, rowptr, self._dims[0])[0]  # [E, J]
-        e, heads = t.shape[0], self.num_heads
-        logits = (t.reshape(e, heads, self.hidden) * hidden[0][:, None, :]).sum(-1) + log_c[:, None]
+        dot, outer = head_dot, head_outer
+        if eager_on_cpu(t, hidden[0]):
+            from .kernels import heads_ops  # imports numba: only where the kernels run
+
+            dot, outer = heads_ops.head_dot, heads_ops.head_outer
+        logits = dot(t, hidden[0]) + log_c[:, None]
         alpha, beta = weight_fn(logits)
-        a = (beta[:, :, None] * hidden[1][:, None, :]).flatten(1)
+        a = outer(beta, hidden[1])
         lv = linear[1].reshape(-1).index_select(0, self._value_weights)
         out = call(segment_ops.node_outer, a, y, lv, None, self._value_blocks, rowptr, self._dims[1])[0]
         return out.index_select(1, self._value_order), alpha

@@ -238,14 +238,16 @@ def test_forces_when_no_key_irrep_is_reachable(float64_default):
 
 
 def test_inference_mode_then_training():
-    """A first call under inference_mode does not leave inference tensors behind for training."""
+    """A first call under inference_mode does not leave inference tensors behind for training. (The edge
+    geometry of the trained layer is the plain formulation's, the kernels' under inference_mode: equal to
+    float32 rounding, e3attn.edge_geometry.)"""
     layer = _small_layer()
     f, pos = _small_inputs(layer)
     with torch.inference_mode():
         expected = layer(f, pos)
     out = layer(f, pos.requires_grad_())
     out.pow(2).sum().backward()
-    torch.testing.assert_close(out.detach(), expected, atol=0, rtol=0)
+    torch.testing.assert_close(out.detach(), expected, atol=2e-6, rtol=1e-5)
     assert torch.isfinite(pos.grad).all()
 
 

@@ -70,7 +70,7 @@ def reduction_groups(work: int, most: int) -> int:
     """The groups of a call of ``work`` multiply-adds whose groups sum into buffers of their own (added up in
     order afterwards): one per :data:`SERIAL_BELOW` of work, at most ``most``. A function of the work alone, never
     of the threads, so that the sums are bitwise the same on any number of threads."""
-    return max(1, min(most, work // SERIAL_BELOW))
+    return max(1, min(most, work // max(1, SERIAL_BELOW)))
 
 
 def backend() -> str:
