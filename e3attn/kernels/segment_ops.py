@@ -37,6 +37,7 @@ from typing import Callable, List, Optional, Tuple
 import numpy as np
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_true
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _plain_eager, cpu, segments
 from .backends import backend
@@ -69,18 +70,21 @@ def _check_segments(rowptr: torch.Tensor, num_edges: int, num_nodes: int, device
         _remember(rowptr, num_edges, True)
 
 
+_CHECKED = WeakIdKeyDictionary()  # tensor -> (its version, the check, its result), while the tensor lives
+
+
 def _checked(t: torch.Tensor, key):
-    """What :func:`_remember` noted on ``t`` for ``key``, while ``t`` is unchanged (same version); else None."""
-    note = getattr(t, "_e3attn_checked", None)
+    """What :func:`_remember` noted for ``t`` and ``key``, while ``t`` is unchanged (same version); else None."""
+    note = _CHECKED.get(t)
     return note[2] if note is not None and note[0] == t._version and note[1] == key else None
 
 
 def _remember(t: torch.Tensor, key, value) -> None:
-    """Note on ``t`` that it passed the check ``key`` (with a result ``value``), valid until ``t`` changes in place.
+    """Note that ``t`` passed the check ``key`` (with a result ``value``), valid until ``t`` changes in place.
     Plain tensors with a version counter only (others are checked every time: tensor subclasses, compile-time
     and inference tensors)."""
     if type(t) is torch.Tensor and not t.is_inference():
-        t._e3attn_checked = (t._version, key, value)
+        _CHECKED[t] = (t._version, key, value)
 
 
 def _check(name: str, t: torch.Tensor, shape: Tuple[int, ...], device: torch.device) -> None:
