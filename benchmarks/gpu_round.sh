@@ -38,18 +38,19 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 python3 -c "import openequivariance" > "$out/oeq_import.log" 2>&1 &
 oeq_pid=$!
 
-python3 -m pytest -q -x tests/test_triton.py -m "cuda or not cuda" 2>&1 | tee "$out/tests_triton.log" | tail -3
-python3 -m pytest -q tests -m cuda 2>&1 | tee "$out/tests_cuda.log" | tail -3
-E3ATTN_CUDA_KERNELS=1 timeout 120 python3 examples/tetris.py --device cuda 2>&1 | tee "$out/tetris.log" | tail -3
-E3ATTN_CUDA_KERNELS=1 timeout 150 python3 examples/molecules.py --device cuda --time-budget 60 2>&1 | tee "$out/molecules.log" | tail -4
+timeout 100 python3 -m pytest -q -x tests/test_triton.py tests/test_heads.py -m "cuda or not cuda" 2>&1 \
+    | tee "$out/tests_triton.log" | tail -3
+timeout 120 python3 -m pytest -q tests -m cuda 2>&1 | tee "$out/tests_cuda.log" | tail -3
 
 wait "$oeq_pid"; tail -2 "$out/oeq_import.log"
 peer=(--peer oeq)
 python3 -c "import openequivariance" 2>/dev/null || peer=()
-timeout 300 python3 benchmarks/layer.py --device cuda --forces --plain --cuda-kernels "${peer[@]}" --configs guide \
-    --sizes 1000 10000 100000 --repeats 10 --max-gb 60 --out "$out/layer_guide.json" 2>&1 | tee "$out/layer_guide.log"
-timeout 300 python3 benchmarks/layer.py --device cuda --forces --plain --cuda-kernels "${peer[@]}" --configs large \
-    --sizes 1000 10000 --repeats 10 --max-gb 60 --out "$out/layer_large.json" 2>&1 | tee "$out/layer_large.log"
-if [ -f benchmarks/md_speed.py ]; then
-    timeout 180 python3 benchmarks/md_speed.py --device cuda --out "$out/md_speed.json" 2>&1 | tee "$out/md_speed.log"
-fi
+timeout 150 python3 benchmarks/layer.py --device cuda --forces --plain --cuda-kernels "${peer[@]}" --configs guide \
+    --sizes 1000 10000 100000 --repeats 5 --max-gb 60 --out "$out/layer_guide.json" 2>&1 | tee "$out/layer_guide.log"
+timeout 120 python3 benchmarks/layer.py --device cuda --forces --plain --cuda-kernels "${peer[@]}" --configs large \
+    --sizes 1000 10000 --repeats 5 --max-gb 60 --out "$out/layer_large.json" 2>&1 | tee "$out/layer_large.log"
+timeout 80 python3 benchmarks/md_speed.py --device cuda --calls 5 --repeats 3 --out "$out/md_speed.json" 2>&1 \
+    | tee "$out/md_speed.log"
+E3ATTN_CUDA_KERNELS=1 timeout 50 python3 examples/tetris.py --device cuda 2>&1 | tee "$out/tetris.log" | tail -3
+E3ATTN_CUDA_KERNELS=1 timeout 70 python3 examples/molecules.py --device cuda --time-budget 30 2>&1 \
+    | tee "$out/molecules.log" | tail -4

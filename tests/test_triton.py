@@ -88,6 +88,25 @@ def test_layer_force_step_on_cuda_equals_cpu(float64_default):
         torch.testing.assert_close(b, c, atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="CUDA is not available")
+def test_transformer_with_density_on_cuda_equals_cpu(float64_default):
+    """A whole energy model (attention and density channels) on the GPU against the CPU: energies and forces, with
+    the weights trained (plain geometry) and frozen (the calculator's case; the CPU takes the geometry kernels)."""
+    from e3attn.models import EquivariantTransformer
+    from e3attn.models.energy import energy_and_forces
+
+    torch.manual_seed(0)
+    model = EquivariantTransformer("1x0e", "8x0e + 4x1o", "0e", 2.0, irreps_node_attr="2x0e", reduce="sum",
+                                   density_channels=4)
+    pos, attr = torch.randn(30, 3) * 1.5, torch.nn.functional.one_hot(torch.arange(30) % 2, 2).double()
+    for frozen in (False, True):
+        model.requires_grad_(not frozen)
+        results = [energy_and_forces(model.to(d), pos.to(d), node_attr=attr.to(d)) for d in ("cuda", "cpu")]
+        for a, b in zip(*results):
+            torch.testing.assert_close(a.cpu(), b, atol=1e-10, rtol=1e-10)
+
+
 def test_layer_float32_on_the_triton_node_kernels_is_accurate(device):
     """The node contraction in float32 (IEEE products, no TF32) against float64, to single-precision accuracy."""
     torch.manual_seed(0)

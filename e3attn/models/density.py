@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_edge_index, check_edge_vec, check_features
+from .._checks import check_dtype, check_edge_index, check_edge_vec, check_features
 from .._irreps import IrrepsLike, as_irreps
 from ..edge_geometry import edge_geometry
 from ..linear import IrrepsLinear
@@ -13,7 +13,7 @@ from ..spherical_harmonics import SphericalHarmonics
 
 __all__ = ["NeighbourDensity"]
 
-_SCALARS = SphericalHarmonics(0)  # the edge geometry's harmonics: the density uses only the lengths
+_SCALARS = SphericalHarmonics(0)  # the geometry kernel's harmonics (CPU only): the density uses only lengths
 
 
 class NeighbourDensity(torch.nn.Module):
@@ -96,14 +96,15 @@ class NeighbourDensity(torch.nn.Module):
         check_edge_index(edge_index, num_nodes)
         src, dst = edge_index[0].long(), edge_index[1].long()
         check_edge_vec(edge_vec, src.shape[0])
+        check_dtype(edge_vec, "edge_vec", self.radial.weight1.dtype, "the module")
         _, pre, r = edge_geometry(edge_vec, self.radial.input_layer(), _SCALARS, self.embedding, self._plain_geometry)
         radial = self.radial.activate(pre)[0] @ self.radial.output_layers()[0]
         weight = radial * (cutoff_weight(r, self.max_radius) / self.avg_num_neighbors)[:, None]
         return scatter_sum(weight * self.source(f).index_select(0, src), dst, num_nodes)
 
     def _plain_geometry(self, edge_vec: torch.Tensor, first_layer: torch.Tensor):
-        """What :func:`~e3attn.edge_geometry.edge_geometry` computes, in PyTorch operations: the (constant)
+        """What :func:`~e3attn.edge_geometry.edge_geometry` computes, in PyTorch operations: the (constant, unused)
         harmonic of degree 0, the radial network's first layer ``embedding(r) @ first_layer`` and the lengths."""
         r = edge_vec.norm(dim=-1)
-        return _SCALARS(edge_vec), self.embedding(r) @ first_layer, r
+        return edge_vec.new_ones(edge_vec.shape[0], 1), self.embedding(r) @ first_layer, r
 
