@@ -282,11 +282,14 @@ class E3AttnCalculator(Calculator):
             with values_checked_by_caller(), _frozen(self._parameters_list):
                 if has_volume:
                     out, f, s = energy_forces_stress(self.model, pos, cell=cell, **graph)
-                    stress = self.energy_scale * s[0].detach().cpu().double().numpy()
                 else:
                     out, f = energy_and_forces(self.model, pos, cell=cell, **graph)
-            energy += self.energy_scale * float(out.detach()[0])
-            forces = self.energy_scale * f.detach().cpu().double().numpy()
+                    s = f.new_zeros(1, 3, 3)
+            # energy, forces and stress in one copy from the device (one synchronisation)
+            values = torch.cat([out.detach()[:1], f.detach().reshape(-1), s.detach()[0].reshape(-1)])
+            values = self.energy_scale * values.double().cpu().numpy()
+            energy += float(values[0])
+            forces, stress = values[1:-9].reshape(-1, 3), values[-9:].reshape(3, 3)
         self.results = {"energy": energy, "free_energy": energy, "forces": forces}
         if has_volume:
             self.results["stress"] = stress.flat[[0, 4, 8, 5, 2, 1]]

@@ -281,9 +281,10 @@ class EquivariantTransformer(torch.nn.Module):
         return torch.cat([x, node_attr], dim=1)
 
     def _pool(self, out: torch.Tensor, batch: Optional[torch.Tensor]) -> torch.Tensor:
-        if batch is None:
-            batch = torch.zeros(out.shape[0], dtype=torch.long, device=out.device)
-        num_graphs = int(batch.max()) + 1 if batch.numel() > 0 else 0
+        if batch is None:  # one graph: no read of the device for its number
+            batch, num_graphs = torch.zeros(out.shape[0], dtype=torch.long, device=out.device), min(out.shape[0], 1)
+        else:
+            num_graphs = int(batch.max()) + 1 if batch.numel() > 0 else 0
         pooled = scatter_sum(out, batch.long(), num_graphs)
         if self.reduce == "mean":
             count = scatter_sum(torch.ones_like(out[:, :1]), batch.long(), num_graphs)
