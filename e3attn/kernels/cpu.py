@@ -89,8 +89,40 @@ def _paths_backward(n, gy, xt, sht, s, gxt, gsht):
 def _mac(out, out_off, n_out, rows, rows_off, n_rows, coef, base, out_stride, row_stride, n):
     """``out[out_off + o, e] += sum_r coef[base + o out_stride + r row_stride] rows[rows_off + r, e]``, ``e < n``.
 
-    A small matrix product, edges last: two output rows and four input rows per pass over the edges."""
+    A small matrix product, edges last: four output rows by four input rows per pass over the edges, then two
+    output rows, then a lone one."""
     o = 0
+    while o + 4 <= n_out:
+        c0, c1, c2, c3 = out[out_off + o], out[out_off + o + 1], out[out_off + o + 2], out[out_off + o + 3]
+        r = 0
+        while r + 4 <= n_rows:
+            i = base + o * out_stride + r * row_stride
+            a0, a1, a2, a3 = coef[i], coef[i + row_stride], coef[i + 2 * row_stride], coef[i + 3 * row_stride]
+            i += out_stride
+            b0, b1, b2, b3 = coef[i], coef[i + row_stride], coef[i + 2 * row_stride], coef[i + 3 * row_stride]
+            i += out_stride
+            d0, d1, d2, d3 = coef[i], coef[i + row_stride], coef[i + 2 * row_stride], coef[i + 3 * row_stride]
+            i += out_stride
+            f0, f1, f2, f3 = coef[i], coef[i + row_stride], coef[i + 2 * row_stride], coef[i + 3 * row_stride]
+            x0, x1, x2, x3 = rows[rows_off + r], rows[rows_off + r + 1], rows[rows_off + r + 2], rows[rows_off + r + 3]
+            for e in range(n):
+                v0, v1, v2, v3 = x0[e], x1[e], x2[e], x3[e]
+                c0[e] += a0 * v0 + a1 * v1 + a2 * v2 + a3 * v3
+                c1[e] += b0 * v0 + b1 * v1 + b2 * v2 + b3 * v3
+                c2[e] += d0 * v0 + d1 * v1 + d2 * v2 + d3 * v3
+                c3[e] += f0 * v0 + f1 * v1 + f2 * v2 + f3 * v3
+            r += 4
+        for r in range(r, n_rows):
+            i = base + o * out_stride + r * row_stride
+            a0, b0, d0, f0 = coef[i], coef[i + out_stride], coef[i + 2 * out_stride], coef[i + 3 * out_stride]
+            x0 = rows[rows_off + r]
+            for e in range(n):
+                v0 = x0[e]
+                c0[e] += a0 * v0
+                c1[e] += b0 * v0
+                c2[e] += d0 * v0
+                c3[e] += f0 * v0
+        o += 4
     while o + 2 <= n_out:
         c0, c1 = out[out_off + o], out[out_off + o + 1]
         r = 0
@@ -130,27 +162,44 @@ def _mac(out, out_off, n_out, rows, rows_off, n_rows, coef, base, out_stride, ro
 
 @numba.njit(**_JIT)
 def _dots(out, base, stride, a, a_off, n_a, b, n_b, n, zero):
-    """``out[base + i stride + j] += sum_e a[a_off + i, e] b[j, e]``, ``e < n``: two by two rows per pass."""
+    """``out[base + i stride + j] += sum_e a[a_off + i, e] b[j, e]``, ``e < n``: two rows of ``a`` by four rows of
+    ``b`` per pass, the last rows of ``b`` one at a time (a lone last row of ``a`` is summed twice, kept once)."""
     i = 0
     while i < n_a:
-        a0, a1 = a[a_off + i], a[a_off + min(i + 1, n_a - 1)]  # a lone last row is summed twice, kept once
+        a0, a1, two = a[a_off + i], a[a_off + min(i + 1, n_a - 1)], i + 1 < n_a
+        r = base + i * stride
         j = 0
-        while j < n_b:
-            b0, b1 = b[j], b[min(j + 1, n_b - 1)]
-            s00 = s01 = s10 = s11 = zero
+        while j + 4 <= n_b:
+            b0, b1, b2, b3 = b[j], b[j + 1], b[j + 2], b[j + 3]
+            s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = zero
             for e in range(n):
-                u0, u1, v0, v1 = a0[e], a1[e], b0[e], b1[e]
+                u0, u1, v0, v1, v2, v3 = a0[e], a1[e], b0[e], b1[e], b2[e], b3[e]
                 s00 += u0 * v0
                 s01 += u0 * v1
+                s02 += u0 * v2
+                s03 += u0 * v3
                 s10 += u1 * v0
                 s11 += u1 * v1
-            r = base + i * stride + j
-            out[r] += s00
-            if j + 1 < n_b:
-                out[r + 1] += s01
-            if i + 1 < n_a:
-                out[r + stride] += s10
-                if j + 1 < n_b:
-                    out[r + stride + 1] += s11
-            j += 2
+                s12 += u1 * v2
+                s13 += u1 * v3
+            out[r + j] += s00
+            out[r + j + 1] += s01
+            out[r + j + 2] += s02
+            out[r + j + 3] += s03
+            if two:
+                out[r + stride + j] += s10
+                out[r + stride + j + 1] += s11
+                out[r + stride + j + 2] += s12
+                out[r + stride + j + 3] += s13
+            j += 4
+        for j in range(j, n_b):
+            b0 = b[j]
+            s00 = s10 = zero
+            for e in range(n):
+                v0 = b0[e]
+                s00 += a0[e] * v0
+                s10 += a1[e] * v0
+            out[r + j] += s00
+            if two:
+                out[r + stride + j] += s10
         i += 2
