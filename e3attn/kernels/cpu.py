@@ -89,40 +89,8 @@ def _paths_backward(n, gy, xt, sht, s, gxt, gsht):
 def _mac(out, out_off, n_out, rows, rows_off, n_rows, coef, base, out_stride, row_stride, n):
     """``out[out_off + o, e] += sum_r coef[base + o out_stride + r row_stride] rows[rows_off + r, e]``, ``e < n``.
 
-    A small matrix product, edges last: four output rows by four input rows per pass over the edges, then two
-    output rows, then a lone one."""
+    A small matrix product, edges last: two output rows and four input rows per pass over the edges."""
     o = 0
-    while o + 4 <= n_out:
-        c0, c1, c2, c3 = out[out_off + o], out[out_off + o + 1], out[out_off + o + 2], out[out_off + o + 3]
-        r = 0
-        while r + 4 <= n_rows:
-            i = base + o * out_stride + r * row_stride
-            a0, a1, a2, a3 = coef[i], coef[i + row_stride], coef[i + 2 * row_stride], coef[i + 3 * row_stride]
-            i += out_stride
-            b0, b1, b2, b3 = coef[i], coef[i + row_stride], coef[i + 2 * row_stride], coef[i + 3 * row_stride]
-            i += out_stride
-            d0, d1, d2, d3 = coef[i], coef[i + row_stride], coef[i + 2 * row_stride], coef[i + 3 * row_stride]
-            i += out_stride
-            f0, f1, f2, f3 = coef[i], coef[i + row_stride], coef[i + 2 * row_stride], coef[i + 3 * row_stride]
-            x0, x1, x2, x3 = rows[rows_off + r], rows[rows_off + r + 1], rows[rows_off + r + 2], rows[rows_off + r + 3]
-            for e in range(n):
-                v0, v1, v2, v3 = x0[e], x1[e], x2[e], x3[e]
-                c0[e] += a0 * v0 + a1 * v1 + a2 * v2 + a3 * v3
-                c1[e] += b0 * v0 + b1 * v1 + b2 * v2 + b3 * v3
-                c2[e] += d0 * v0 + d1 * v1 + d2 * v2 + d3 * v3
-                c3[e] += f0 * v0 + f1 * v1 + f2 * v2 + f3 * v3
-            r += 4
-        for r in range(r, n_rows):
-            i = base + o * out_stride + r * row_stride
-            a0, b0, d0, f0 = coef[i], coef[i + out_stride], coef[i + 2 * out_stride], coef[i + 3 * out_stride]
-            x0 = rows[rows_off + r]
-            for e in range(n):
-                v0 = x0[e]
-                c0[e] += a0 * v0
-                c1[e] += b0 * v0
-                c2[e] += d0 * v0
-                c3[e] += f0 * v0
-        o += 4
     while o + 2 <= n_out:
         c0, c1 = out[out_off + o], out[out_off + o + 1]
         r = 0
