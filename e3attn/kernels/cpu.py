@@ -130,27 +130,44 @@ def _mac(out, out_off, n_out, rows, rows_off, n_rows, coef, base, out_stride, ro
 
 @numba.njit(**_JIT)
 def _dots(out, base, stride, a, a_off, n_a, b, n_b, n, zero):
-    """``out[base + i stride + j] += sum_e a[a_off + i, e] b[j, e]``, ``e < n``: two by two rows per pass."""
+    """``out[base + i stride + j] += sum_e a[a_off + i, e] b[j, e]``, ``e < n``: two rows of ``a`` by four rows of
+    ``b`` per pass, the last rows of ``b`` one at a time (a lone last row of ``a`` is summed twice, kept once)."""
     i = 0
     while i < n_a:
-        a0, a1 = a[a_off + i], a[a_off + min(i + 1, n_a - 1)]  # a lone last row is summed twice, kept once
+        a0, a1, two = a[a_off + i], a[a_off + min(i + 1, n_a - 1)], i + 1 < n_a
+        r = base + i * stride
         j = 0
-        while j < n_b:
-            b0, b1 = b[j], b[min(j + 1, n_b - 1)]
-            s00 = s01 = s10 = s11 = zero
+        while j + 4 <= n_b:
+            b0, b1, b2, b3 = b[j], b[j + 1], b[j + 2], b[j + 3]
+            s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = zero
             for e in range(n):
-                u0, u1, v0, v1 = a0[e], a1[e], b0[e], b1[e]
+                u0, u1, v0, v1, v2, v3 = a0[e], a1[e], b0[e], b1[e], b2[e], b3[e]
                 s00 += u0 * v0
                 s01 += u0 * v1
+                s02 += u0 * v2
+                s03 += u0 * v3
                 s10 += u1 * v0
                 s11 += u1 * v1
-            r = base + i * stride + j
-            out[r] += s00
-            if j + 1 < n_b:
-                out[r + 1] += s01
-            if i + 1 < n_a:
-                out[r + stride] += s10
-                if j + 1 < n_b:
-                    out[r + stride + 1] += s11
-            j += 2
+                s12 += u1 * v2
+                s13 += u1 * v3
+            out[r + j] += s00
+            out[r + j + 1] += s01
+            out[r + j + 2] += s02
+            out[r + j + 3] += s03
+            if two:
+                out[r + stride + j] += s10
+                out[r + stride + j + 1] += s11
+                out[r + stride + j + 2] += s12
+                out[r + stride + j + 3] += s13
+            j += 4
+        for j in range(j, n_b):
+            b0 = b[j]
+            s00 = s10 = zero
+            for e in range(n):
+                v0 = b0[e]
+                s00 += a0[e] * v0
+                s10 += a1[e] * v0
+            out[r + j] += s00
+            if two:
+                out[r + stride + j] += s10
         i += 2
