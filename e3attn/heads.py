@@ -101,13 +101,27 @@ def head_dot(t: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
 
 def head_outer(b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     r"""Every head's weight times ``h``: :math:`t_{e, a K + k} = b_{e, a}\, h_{e, k}`, ``b [E, heads]``,
-    ``h [E, K]`` to ``[E, heads * K]`` (see :func:`head_dot`)."""
+    ``h [E, K]`` to ``[E, heads * K]`` (see :func:`head_dot`).
+
+    Example::
+
+        >>> b, h = torch.randn(5, 2), torch.randn(5, 3)
+        >>> bool(torch.allclose(head_outer(b, h)[:, 3:], b[:, 1:] * h))
+        True
+    """
     return (b[:, :, None] * h[:, None, :]).reshape(h.shape[0], b.shape[1] * h.shape[1])
 
 
 def head_sum(b: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     r"""The blocks of ``t`` summed over the heads with the weights ``b``: :math:`h_{e, k} = \sum_a b_{e, a}\,
-    t_{e, a K + k}`, ``b [E, heads]``, ``t [E, heads * K]`` to ``[E, K]`` (see :func:`head_dot`)."""
+    t_{e, a K + k}`, ``b [E, heads]``, ``t [E, heads * K]`` to ``[E, K]`` (see :func:`head_dot`).
+
+    Example::
+
+        >>> b, t = torch.randn(5, 2), torch.randn(5, 6)
+        >>> bool(torch.allclose(head_sum(b, t), b[:, :1] * t[:, :3] + b[:, 1:] * t[:, 3:]))
+        True
+    """
     return (b[:, :, None] * t.reshape(t.shape[0], b.shape[1], t.shape[1] // b.shape[1])).sum(1)
 
 

@@ -111,6 +111,21 @@ def test_geometry_float32(basis, float32_default):
         torch.testing.assert_close(g.double(), w, atol=1e-4, rtol=1e-4)
 
 
+def test_bessel_basis_on_either_side_of_its_series(float64_default):
+    """The Bessel basis switches from its series (short edges) to sines by rotations at r = r_max / 100: both
+    sides equal the plain formulation, values and gradients."""
+    layer = _layer("bessel", lmax=1, number_of_basis=16)
+    lengths = 1e-2 * RMAX * torch.tensor([1 - 1e-6, 1 + 1e-6, 0.5, 2.0, 30.0, 99.0])
+    v = (lengths[:, None] * torch.nn.functional.normalize(torch.randn(6, 3, generator=torch.Generator().manual_seed(2)),
+                                                          dim=1)).requires_grad_()
+    first = _first(layer)
+    fused, plain = _fused(layer, v, first), layer._plain_geometry(v, first)
+    _compare(fused, plain, atol=1e-12, rtol=1e-12)
+    cot = _cotangents(plain)
+    for a, b in zip(_grads(fused, (v, first), cot), _grads(plain, (v, first), cot)):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
 def test_geometry_second_derivatives(float64_default):
     """gradcheck and gradgradcheck (the second derivatives are the plain formulation's), away from the kinks."""
     for lmax in (0, 2):  # lmax 0: constant harmonics

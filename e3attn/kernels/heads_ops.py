@@ -106,10 +106,8 @@ class _HeadOuter(torch.autograd.Function):
         need_b, need_h = ctx.needs_input_grad
         if torch.is_grad_enabled() or not _plain_eager((g, b, h)):
             return (heads.head_dot(g, h) if need_b else None), (heads.head_sum(b, g) if need_h else None)
-        g = g.contiguous()
-        gb = _run(g, None, h, b.shape[1], True, False, False)[0] if need_b else None
-        gh = _run(g, b, h, b.shape[1], False, False, True)[2] if need_h else None
-        return gb, gh
+        gb, _, gh = _run(g.contiguous(), b, h, b.shape[1], need_b, False, need_h)
+        return (gb if need_b else None), (gh if need_h else None)
 
 
 def _check(name: str, x: torch.Tensor, h: torch.Tensor, columns: int) -> None:

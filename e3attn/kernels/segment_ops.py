@@ -37,12 +37,12 @@ from typing import Callable, List, Optional, Tuple
 import numpy as np
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_true
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _plain_eager, cpu, segments
 from .backends import backend
 from .cpu import _array, _forward_groups
 from .layout import component_major_paths, layout_for, padded_paths
+from .remembered import checked, remember
 from .threads import groups_for, parallel, reduction_groups
 
 __all__ = ["call", "node_expand", "node_outer", "path_features", "path_features_backward"]
@@ -63,28 +63,11 @@ def _check_segments(rowptr: torch.Tensor, num_edges: int, num_nodes: int, device
             or rowptr.shape[0] != num_nodes + 1):
         raise ValueError(f"rowptr must be a 1-d int64 tensor [{num_nodes + 1}] (one more than the nodes) on "
                          f"{device}, got {rowptr.dtype} {list(rowptr.shape)} on {rowptr.device}")
-    if device.type == "cpu" and _checked(rowptr, num_edges) is None:
+    if device.type == "cpu" and checked(rowptr, num_edges) is None:
         array = _array(rowptr)
         if array[0] != 0 or array[-1] != num_edges or np.any(np.diff(array) < 0):
             raise ValueError(f"rowptr must rise from 0 to the number of edges ({num_edges})")
-        _remember(rowptr, num_edges, True)
-
-
-_CHECKED = WeakIdKeyDictionary()  # tensor -> (its version, the check, its result), while the tensor lives
-
-
-def _checked(t: torch.Tensor, key):
-    """What :func:`_remember` noted for ``t`` and ``key``, while ``t`` is unchanged (same version); else None."""
-    note = _CHECKED.get(t)
-    return note[2] if note is not None and note[0] == t._version and note[1] == key else None
-
-
-def _remember(t: torch.Tensor, key, value) -> None:
-    """Note that ``t`` passed the check ``key`` (with a result ``value``), valid until ``t`` changes in place.
-    Plain tensors with a version counter only (others are checked every time: tensor subclasses, compile-time
-    and inference tensors)."""
-    if type(t) is torch.Tensor and not t.is_inference():
-        _CHECKED[t] = (t._version, key, value)
+        remember(rowptr, num_edges, True)
 
 
 def _check(name: str, t: torch.Tensor, shape: Tuple[int, ...], device: torch.device) -> None:
@@ -120,7 +103,7 @@ def _check_blocks(blocks: torch.Tensor, dims: List[int]) -> List[List[int]]:
                          f"{blocks.device}")
     if heads < 1 or min(dims) < 0:
         raise ValueError(f"dims must be [heads >= 1, hidden, paths, z width, L size] >= 0, got {list(dims)}")
-    table = _checked(blocks, tuple(dims))
+    table = checked(blocks, tuple(dims))
     if table is not None:
         return table
     table = blocks.tolist()
@@ -129,7 +112,7 @@ def _check_blocks(blocks: torch.Tensor, dims: List[int]) -> List[List[int]]:
                 loff + heads * width * hidden * k > lsize or zoff + heads * width * dim_l > zwidth):
             raise ValueError(f"blocks does not fit dims {list(dims)} (paths, z width, L size): "
                              f"row {[poff, k, dim_l, width, loff, zoff]}")
-    _remember(blocks, tuple(dims), table)
+    remember(blocks, tuple(dims), table)
     return table
 
 
@@ -215,10 +198,10 @@ def _path_arguments(spec: str, x: torch.Tensor, index: torch.Tensor, sh: torch.T
         raise ValueError(f"sh has the wrong shape for this product: {list(sh.shape)}")
     _check("index", index, (sh.shape[0],), sh.device)
     _check("x", x, tuple(x.shape), sh.device)
-    if sh.device.type == "cpu" and index.shape[0] and _checked(index, x.shape[0]) is None:
+    if sh.device.type == "cpu" and index.shape[0] and checked(index, x.shape[0]) is None:
         if int(index.min()) < 0 or int(index.max()) >= x.shape[0]:
             raise IndexError(f"index must be in [0, {x.shape[0]}) (the rows of x)")
-        _remember(index, x.shape[0], True)
+        remember(index, x.shape[0], True)
     _common_dtype(x=x, sh=sh)
     return backend(sh.device) == "triton"
 
