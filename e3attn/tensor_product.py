@@ -2,6 +2,7 @@ r"""Fully connected tensor product of node features with spherical harmonics, pe
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -178,6 +179,7 @@ class SphericalTensorProduct(Float64ConstantsModule):
         linear: Sequence[torch.Tensor],
         *,
         index: Optional[torch.Tensor] = None,
+        chunk_size: Optional[int] = None,
     ) -> List[torch.Tensor]:
         r"""The tensor products with weights :math:`w^{(t)} = h^{(t)} L^{(t)}` (e.g. a radial network's last layer).
 
@@ -197,6 +199,8 @@ class SphericalTensorProduct(Float64ConstantsModule):
             hidden: per output, ``[E, h_t]`` (e.g. the hidden layer of a radial network).
             linear: per output, ``[h_t, weight_numel[t]]``.
             index: optional ``[E]`` rows of ``x``.
+            chunk_size: deprecated, without effect (it tiled the per-edge kernels, which the contraction at the
+                nodes replaced); a ``DeprecationWarning`` says so.
 
         Returns:
             a list of ``[E, irreps_outs[t].dim]``.
@@ -208,6 +212,9 @@ class SphericalTensorProduct(Float64ConstantsModule):
             >>> [z.shape for z in tp.forward_factored(x, sh, [h], [torch.randn(5, tp.weight_numel[0])])]
             [torch.Size([7, 6])]
         """
+        if chunk_size is not None:
+            warnings.warn("forward_factored(chunk_size=...) has no effect since the per-edge kernels were retired "
+                          "and will be removed: drop the argument", DeprecationWarning, stacklevel=2)
         self._check_factored(x, sh, hidden, linear, index)
         x = x if index is None else x.index_select(0, index)
         return self.forward(x, sh, [h @ w for h, w in zip(hidden, linear)])

@@ -95,6 +95,15 @@ def test_factored_product_bad_arguments():
         tp.forward_factored(x, sh, hs[:1], ls)
 
 
+def test_factored_product_chunk_size_is_deprecated_and_ignored():
+    tp = SphericalTensorProduct("2x0e", o3.Irreps.spherical_harmonics(1), ["1x0e"])
+    x, sh, h = torch.randn(3, 2), torch.randn(3, 4), torch.randn(3, 2)
+    lin = torch.randn(2, tp.weight_numel[0])
+    with pytest.warns(DeprecationWarning, match="chunk_size"):
+        out = tp.forward_factored(x, sh, [h], [lin], chunk_size=64)
+    assert torch.equal(out[0], tp.forward_factored(x, sh, [h], [lin])[0])
+
+
 @pytest.mark.parametrize("lmax", [0, 1, 2, 3, 4, 5, 6])
 def test_spherical_harmonics_equal_e3nn(lmax, float32_default):
     sh = SphericalHarmonics(lmax).double()  # built under float32: the constants must stay exact
