@@ -3,8 +3,9 @@ in its own environment (mace-torch pins e3nn 0.4.4, e3attn needs 0.6), within a 
 
 For every setting (``CHANNELSxL``, e.g. ``32x1``: ``--num_channels 32 --max_L 1``), in a folder of its own:
 
-1. *calibration* (unless ``--mace-epochs`` is given): ``mace_run_train ... --max_num_epochs 2``; the seconds per
-   epoch are those between MACE's log lines ``Started training`` and ``Training complete`` over the epochs;
+1. *calibration* (unless ``--mace-epochs`` is given): ``mace_run_train ... --max_num_epochs 2``, stopped at its
+   log line ``Training complete`` (before its evaluation of every split); the seconds per epoch are those between
+   its log lines ``Started training`` and ``Training complete`` over the epochs;
 2. *training*: ``mace_run_train`` with :func:`train_command`'s options and ``--max_num_epochs`` the number of epochs
    that fit in the budget (``--swa``: MACE's stage two, lower learning rate and higher energy weight, from 3/4 of
    the epochs on, its default);
@@ -20,6 +21,7 @@ import datetime
 import os
 import re
 import subprocess
+import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -68,14 +70,28 @@ def training_seconds(log_text: str) -> float:
     return (stamps["Training complete"] - stamps["Started training"]).total_seconds()
 
 
-def _run(command: List[str], folder: Path, threads: int) -> str:
+def _log(folder: Path) -> str:
+    logs = sorted((folder / "logs").glob("*_run-*[0-9].log")) if (folder / "logs").is_dir() else []
+    return logs[-1].read_text() if logs else ""
+
+
+def _run(command: List[str], folder: Path, threads: int, until: Optional[str] = None) -> str:
+    """Run ``command`` in ``folder``; returns MACE's log. With ``until``, the process is stopped as soon as its
+    log has that text (the calibration needs no final evaluation)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     env.pop("PYTHONPATH", None)  # MACE's environment only
-    done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"{Path(command[0]).name} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
-    logs = sorted((folder / "logs").glob("*.log")) if (folder / "logs").is_dir() else []
-    return logs[-1].read_text() if logs else ""
+    with open(folder / "stderr.txt", "w") as stderr:
+        process = subprocess.Popen(command, cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+        while process.poll() is None:
+            if until is not None and until in _log(folder):
+                process.terminate()
+                process.wait()
+                return _log(folder)
+            time.sleep(1.0)
+    if process.returncode != 0:
+        error = (folder / "stderr.txt").read_text().strip()[-2000:]
+        raise SystemExit(f"{Path(command[0]).name} failed ({process.returncode}): {error}")
+    return _log(folder)
 
 
 def test_errors(prediction_file: Path) -> Dict[str, float]:
@@ -101,7 +117,7 @@ def run_mace(python: Path, name: str, data: Path, setting: str, budget: float, t
         folder = workdir / f"{name}-{setting}-calibration"
         folder.mkdir(parents=True, exist_ok=True)
         command = train_command(bin_dir, "calibration", train_file, test_file, setting, 2, max_radius)
-        per_epoch = training_seconds(_run(command, folder, threads)) / 2
+        per_epoch = training_seconds(_run(command, folder, threads, until="Training complete")) / 2
         epochs = max(1, int(budget / per_epoch))
         row["calibration_seconds_per_epoch"] = per_epoch
     folder = workdir / f"{name}-{setting}"

@@ -27,6 +27,8 @@ pathlib.Path("logs", args.name + "_run-0.log").write_text(
     f"2026-01-01 10:00:{{int(end):02d}}.{{round(1000 * (end % 1)):03d}} INFO: Training complete\\n")
 pathlib.Path("epochs.txt").write_text(args.max_num_epochs + " " + args.num_channels + " " + args.max_L)
 torch.save(torch.nn.Linear(3, 2, bias=False).requires_grad_(), args.name + "_stagetwo.model")
+import time; time.sleep(8)  # MACE's evaluation of every split, after its training
+pathlib.Path("evaluated.txt").write_text("the run went on after 'Training complete'")
 """
 
 # mace_eval_configs: predictions off by 10 meV/atom in the energy and by 2 meV/A in every force component
@@ -85,6 +87,9 @@ def test_budget_sets_the_epochs_and_the_errors_are_those_of_the_predictions(mace
     assert row["epochs"] == 25  # 10 s / 0.4 s
     assert row["train_seconds"] == pytest.approx(SECONDS_PER_EPOCH * 25)
     assert (tmp_path / "work" / "mol-24x2" / "epochs.txt").read_text() == "25 24 2"
+    assert (tmp_path / "work" / "mol-24x2-calibration" / "epochs.txt").read_text() == "2 24 2"
+    assert not (tmp_path / "work" / "mol-24x2-calibration" / "evaluated.txt").exists()  # stopped after training
+    assert (tmp_path / "work" / "mol-24x2" / "evaluated.txt").exists()
     assert row["energy_mae_meV_per_atom"] == pytest.approx(10.0, rel=1e-9)
     assert row["force_mae_meV_per_A"] == pytest.approx(2.0, rel=1e-9)
     assert row["num_test"] == 3 and row["parameters"] == 6 and row["model"] == "mace-24x2"
