@@ -49,7 +49,7 @@ import torch
 from e3nn import nn, o3
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "examples")]
 
 import mace_peer  # noqa: E402  (benchmarks/mace_peer.py, next to this file)
 import molecules  # noqa: E402  (examples/molecules.py: data, training loop, evaluation)

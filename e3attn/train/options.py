@@ -15,8 +15,7 @@ import torch
 
 __all__ = [
     "ArgumentParser", "fail", "device", "irreps", "positive_int", "non_negative_int", "positive_float",
-    "non_negative_float", "fraction", "MODEL_DEFAULTS", "TRAINING_DEFAULTS", "add_model_options",
-    "add_training_options", "amp_only_on_cuda",
+    "non_negative_float", "fraction", "add_model_options", "add_training_options", "amp_only_on_cuda",
 ]
 
 SCHEDULES = ("cosine", "plateau", "constant")
