@@ -34,11 +34,11 @@ __all__ = ["parse_args", "load_data", "run", "main"]
 
 PROG = "e3attn-train"
 MODEL_DEFAULTS = dict(max_radius=5.0, layers=2)
-"""The command's model defaults where they differ from the EMT example's (:data:`~e3attn.train.options.MODEL_DEFAULTS`),
+"""The command's model defaults where they differ from the EMT example's (``e3attn.train.options.MODEL_DEFAULTS``),
 chosen on GFN2-xTB molecular dynamics of organic molecules (docs/guide/accuracy_organic.rst)."""
 TRAINING_DEFAULTS = dict(batch_size=16)
 """The command's training defaults where they differ from the EMT example's
-(:data:`~e3attn.train.options.TRAINING_DEFAULTS`)."""
+(``e3attn.train.options.TRAINING_DEFAULTS``)."""
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 UNITS = {"energy_mae_meV_per_atom": ("energy", "meV/atom"), "force_mae_meV_per_A": ("force", "meV/A"),
          "stress_mae_meV_per_A3": ("stress", "meV/A^3")}

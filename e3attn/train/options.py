@@ -143,7 +143,7 @@ def add_model_options(p: argparse.ArgumentParser, avg_num_neighbors="auto",
 
     ``avg_num_neighbors``: the default of ``--avg-num-neighbors``, a number or ``"auto"`` (the training set's mean).
     ``defaults``: defaults (by destination, e.g. ``{"max_radius": 5.0}``) that replace those of
-    :data:`MODEL_DEFAULTS`.
+    ``MODEL_DEFAULTS``.
 
     Example::
 
@@ -182,7 +182,7 @@ def add_training_options(p: argparse.ArgumentParser, epochs: int, time_budget: f
                          defaults: Optional[Mapping[str, Any]] = None) -> None:
     """The options of :func:`e3attn.train.fit`: epochs, budget, batches, optimiser, loss, AMP, DDP, progress bar.
 
-    ``defaults``: defaults (by destination, e.g. ``{"lr": 5e-3}``) that replace those of :data:`TRAINING_DEFAULTS`.
+    ``defaults``: defaults (by destination, e.g. ``{"lr": 5e-3}``) that replace those of ``TRAINING_DEFAULTS``.
 
     Example::
 
