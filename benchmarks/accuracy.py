@@ -16,7 +16,10 @@ With ``--organic NAME ...`` the data are instead the GFN2-xTB sets of ``benchmar
 training command, ``python -m e3attn.train`` in a process of its own with its defaults (or the options after
 ``--``), 5% of the training file for validation, the best model by validation loss; the peer is trained on the
 same split with the same loop (:mod:`e3attn.train`), both within ``--time-budget`` seconds, and both are evaluated
-on the test file. MACE is not run here (it needs its own environment).
+on the test file. With ``--mace-python PATH`` (the Python of an environment with mace-torch, which pins e3nn 0.4.4),
+MACE is trained and evaluated on the same files with its own commands, ``mace_run_train`` and
+``mace_eval_configs`` from that Python's folder, once per ``--mace-settings`` (``CHANNELSxMAX_L``), within the same
+budget (its epochs calibrated on a 2-epoch run, or ``--mace-epochs``); see ``benchmarks/mace_peer.py``.
 
 Prints a table and writes JSON (``--out``, default ``benchmarks/results/accuracy.json``) with the
 energy MAE (meV/atom), force MAE (meV/A), parameters, epochs and training time of each model.
@@ -26,7 +29,8 @@ Usage::
     OMP_NUM_THREADS=1 python benchmarks/accuracy.py --time-budget 240
     OMP_NUM_THREADS=1 python benchmarks/accuracy.py --time-budget 240 -- --hidden "32x0e + 16x1o"
     python benchmarks/accuracy.py --quick      # seconds: tiny data and models (the test suite's smoke run)
-    OMP_NUM_THREADS=2 python benchmarks/accuracy.py --organic aspirin ethanol --threads 2 --time-budget 600
+    OMP_NUM_THREADS=2 python benchmarks/accuracy.py --organic aspirin ethanol --threads 2 --time-budget 600 \
+        --mace-python /path/to/mace-venv/bin/python --mace-settings 32x1 64x0 16x2
 """
 from __future__ import annotations
 
@@ -45,11 +49,12 @@ import torch
 from e3nn import nn, o3
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "examples")]
 
+import mace_peer  # noqa: E402  (benchmarks/mace_peer.py, next to this file)
 import molecules  # noqa: E402  (examples/molecules.py: data, training loop, evaluation)
 
-MODELS = ("e3attn", "nequip")
+MODELS = ("e3attn", "nequip", "mace")
 
 
 def bessel_basis(r: torch.Tensor, max_radius: float, number: int, p: int = 6) -> torch.Tensor:
@@ -163,7 +168,8 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     argv = list(sys.argv[1:] if argv is None else argv)
     own, passed = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    p.add_argument("--models", nargs="+", choices=MODELS, default=None,
+                   help="default: e3attn and nequip, and mace with --mace-python")
     p.add_argument("--time-budget", type=float, default=240.0, help="training seconds per model")
     p.add_argument("--epochs", type=int, default=1000, help="at most this many epochs per model")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
@@ -177,7 +183,24 @@ def parse_args(argv: Optional[Sequence[str]] = None):
                         "training command, instead of the EMT data")
     p.add_argument("--data", type=Path, default=ROOT / "benchmarks" / "data" / "organic",
                    help="folder of the --organic files")
+    p.add_argument("--mace-python", type=Path, default=None, metavar="PYTHON",
+                   help="with --organic: also train MACE with the commands next to this Python (its own venv)")
+    p.add_argument("--mace-settings", nargs="+", default=["32x1"], metavar="CxL",
+                   help="MACE's --num_channels x --max_L, one run each (default 32x1)")
+    p.add_argument("--mace-epochs", type=int, default=None,
+                   help="MACE's --max_num_epochs (default: as many as fit in --time-budget, from a 2-epoch run)")
+    p.add_argument("--mace-radius", type=float, default=5.0, help="MACE's --r_max (default 5.0, its own default)")
     args = p.parse_args(own)
+    if args.mace_python is not None and not (args.organic and (args.mace_python.parent / "mace_run_train").exists()):
+        p.error("--mace-python needs --organic and a Python whose folder has mace_run_train")
+    args.models = args.models or ["e3attn", "nequip"] + (["mace"] if args.mace_python else [])
+    if "mace" in args.models and args.mace_python is None:
+        p.error("--models mace needs --mace-python (and --organic)")
+    for setting in args.mace_settings:
+        try:
+            mace_peer.parse_setting(setting)
+        except ValueError as err:
+            p.error(f"--mace-settings: {err}")
     if args.organic:
         args.passed = passed
         return args
@@ -223,7 +246,7 @@ def organic_rows(args) -> List[dict]:
     rows: List[dict] = []
     for name in args.organic:
         options = training_command(name, args)
-        for model_name in args.models:
+        for model_name in (m for m in args.models if m != "mace"):
             if model_name == "e3attn":
                 metrics = run_command(options, args.threads)
                 params = metrics["parameters"]
@@ -246,11 +269,20 @@ def organic_rows(args) -> List[dict]:
                          "num_test": metrics["test"]["num_structures"],
                          "energy_mae_meV_per_atom": metrics["test"]["energy_mae_meV_per_atom"],
                          "force_mae_meV_per_A": metrics["test"]["force_mae_meV_per_A"]})
-            r = rows[-1]
-            print(f"{name:14s} {model_name:8s} {r['epochs']:4d} epochs {r['train_seconds']:7.1f} s   "
-                  f"test energy MAE {r['energy_mae_meV_per_atom']:.2f} meV/atom, "
-                  f"force MAE {r['force_mae_meV_per_A']:.2f} meV/A", flush=True)
+            _print_row(rows[-1])
+        if "mace" in args.models:
+            with tempfile.TemporaryDirectory() as folder:
+                for setting in args.mace_settings:
+                    rows.append(mace_peer.run_mace(args.mace_python, name, args.data, setting, args.time_budget,
+                                                   args.threads, args.mace_radius, Path(folder), args.mace_epochs))
+                    _print_row(rows[-1])
     return rows
+
+
+def _print_row(r: dict) -> None:
+    print(f"{r['molecule']:14s} {r['model']:10s} {r['epochs']:4d} epochs {r['train_seconds']:7.1f} s   "
+          f"test energy MAE {r['energy_mae_meV_per_atom']:.2f} meV/atom, force MAE {r['force_mae_meV_per_A']:.2f} meV/A",
+          flush=True)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
@@ -261,9 +293,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             args.peer_hidden, args.peer_layers = "4x0e + 2x1o", 1
         report = {"meta": {"machine": cpu_name(), "python": platform.python_version(), "torch": torch.__version__,
                            "threads": args.threads, "time_budget_s": args.time_budget, "data": str(args.data),
-                           "training_command_options": args.passed,
+                           "training_command_options": args.passed, "load_average_start": os.getloadavg(),
                            "peer": {"hidden": args.peer_hidden, "layers": args.peer_layers, "lmax": args.peer_lmax}},
                   "results": organic_rows(args)}
+        report["meta"]["load_average_end"] = os.getloadavg()
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))
         return report

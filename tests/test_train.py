@@ -123,12 +123,13 @@ def test_reference_energies_are_recovered_exactly():
     assert units["energy_scale"] == pytest.approx(0.5, rel=1e-12)
 
 
-def test_best_epoch_by_validation_is_the_model_kept(data):
+@pytest.mark.parametrize("ema", ["0", "0.9"])
+def test_best_epoch_by_validation_is_the_model_kept(data, ema):
     from e3attn.train import build_model, evaluate
 
     structures = read(data["ptrain"], index=":")
     samples = [to_sample(a, ["Ni", "Cu"], 3.0) for a in structures]
-    args = cli.parse_args(["--train-file", "unused"] + TINY + ["--epochs", "4", "--lr", "0.05"])
+    args = cli.parse_args(["--train-file", "unused"] + TINY + ["--epochs", "4", "--lr", "0.05", "--ema", ema])
     args.avg_num_neighbors, args.max_radius = 10.0, 3.0
     units = fit_references(samples[:15], ["Ni", "Cu"])
     torch.manual_seed(0)
@@ -138,6 +139,54 @@ def test_best_epoch_by_validation_is_the_model_kept(data):
     weights = dict(force_weight=args.force_weight, energy_weight=args.energy_weight, stress_weight=args.stress_weight)
     kept = evaluate(model, samples[15:], units, "cpu", weights=weights)["loss"]
     assert kept == pytest.approx(min(result.valid_losses), rel=1e-5)
+
+
+def test_the_moving_average_is_what_is_validated_and_kept(data):
+    """With --ema the model returned holds the average of the weights after every step, not the last weights."""
+    from e3attn.train import WeightAverage, build_model
+
+    samples = [to_sample(a, ["Ni", "Cu"], 3.0) for a in read(data["ptrain"], index=":")]
+    args = cli.parse_args(["--train-file", "unused"] + TINY + ["--epochs", "1", "--ema", "0.5", "--batch-size", "5"])
+    args.avg_num_neighbors, args.max_radius = 10.0, 3.0
+    units = fit_references(samples[:15], ["Ni", "Cu"])
+    torch.manual_seed(0)
+    model = build_model(args, 2)
+    steps = []  # the weights after each of the 3 steps, recorded by the average's update
+    update = WeightAverage.update
+
+    def record(self):
+        steps.append([p.detach().clone() for p in self.params])
+        update(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(WeightAverage, "update", record)
+        initial = [p.detach().clone() for p in model.parameters()]
+        fit(model, samples[:15], units, args, "cpu")
+    assert len(steps) == 3
+    for i, p in enumerate(model.parameters()):
+        average = initial[i]
+        for step in steps:
+            average = 0.5 * average + 0.5 * step[i]
+        torch.testing.assert_close(p.detach(), average, rtol=1e-6, atol=1e-7)
+        assert i > 0 or not torch.allclose(p.detach(), steps[-1][i])
+
+
+def test_the_command_has_its_own_defaults_and_the_emt_example_keeps_its(monkeypatch):
+    from e3attn.train import options
+
+    args = cli.parse_args(["--train-file", "unused"])
+    for key, value in {**options.MODEL_DEFAULTS, **cli.MODEL_DEFAULTS, **options.TRAINING_DEFAULTS,
+                       **cli.TRAINING_DEFAULTS}.items():
+        assert getattr(args, key) == value, key
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    import molecules
+
+    example = molecules.parse_args([])
+    for key, value in {**options.MODEL_DEFAULTS, **options.TRAINING_DEFAULTS}.items():
+        assert getattr(example, key) == value, key
+    assert (example.max_radius, example.layers, example.hidden) == (4.0, 1, "16x0e + 8x1o")
+    with pytest.raises(ValueError, match="unknown option.*layerz"):
+        options.add_model_options(options.ArgumentParser("x"), defaults={"layerz": 2})
 
 
 def bad_inputs(data, tmp_path):

@@ -13,10 +13,10 @@ Its parts are importable for your own scripts (``examples/molecules.py`` uses th
 Reading files needs ASE (``pip install 'e3attn[train]'``: ASE, tqdm for the progress bar, PyYAML for ``--config``).
 """
 from .data import DataError, LabelKeys, collate, fit_references, read_structures, to_sample
-from .loop import FitResult, fit, init_distributed
+from .loop import FitResult, WeightAverage, fit, init_distributed
 from .model import build_model, evaluate, loss_fn, predict
 
 __all__ = [
     "DataError", "LabelKeys", "collate", "fit_references", "read_structures", "to_sample",
-    "FitResult", "fit", "init_distributed", "build_model", "evaluate", "loss_fn", "predict",
+    "FitResult", "WeightAverage", "fit", "init_distributed", "build_model", "evaluate", "loss_fn", "predict",
 ]

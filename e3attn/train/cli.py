@@ -33,6 +33,12 @@ from .model import build_model, evaluate
 __all__ = ["parse_args", "load_data", "run", "main"]
 
 PROG = "e3attn-train"
+MODEL_DEFAULTS = dict(max_radius=5.0, layers=2)
+"""The command's model defaults where they differ from the EMT example's (``e3attn.train.options.MODEL_DEFAULTS``),
+chosen on GFN2-xTB molecular dynamics of organic molecules (docs/guide/accuracy_organic.rst)."""
+TRAINING_DEFAULTS = dict(batch_size=16)
+"""The command's training defaults where they differ from the EMT example's
+(``e3attn.train.options.TRAINING_DEFAULTS``)."""
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 UNITS = {"energy_mae_meV_per_atom": ("energy", "meV/atom"), "force_mae_meV_per_A": ("force", "meV/A"),
          "stress_mae_meV_per_A3": ("stress", "meV/A^3")}
@@ -51,8 +57,8 @@ def _parser() -> opt.ArgumentParser:
     p.add_argument("--stress-key", default="stress",
                    help="key of the stress (eV/A^3), trained on when every training structure has it ('none': never)")
     p.add_argument("--stress-weight", type=opt.non_negative_float, default=1.0, help="weight of the virial term")
-    opt.add_model_options(p, avg_num_neighbors="auto")
-    opt.add_training_options(p, epochs=1000, time_budget=600.0)
+    opt.add_model_options(p, avg_num_neighbors="auto", defaults=MODEL_DEFAULTS)
+    opt.add_training_options(p, epochs=1000, time_budget=600.0, defaults=TRAINING_DEFAULTS)
     p.add_argument("--device", type=opt.device, default="cuda" if torch.cuda.is_available() else "cpu",
                    help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of the model and the data")

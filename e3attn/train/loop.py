@@ -3,6 +3,7 @@ validation loss, bfloat16 autocast, DistributedDataParallel under ``torchrun``, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import time
 from typing import List, NamedTuple, Optional, Sequence
@@ -14,7 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from .data import collate
 from .model import evaluate, loss_fn, predict, to_device
 
-__all__ = ["FitResult", "fit", "init_distributed", "synced_max", "progress"]
+__all__ = ["FitResult", "WeightAverage", "fit", "init_distributed", "synced_max", "progress"]
 
 
 class FitResult(NamedTuple):
@@ -70,6 +71,58 @@ def progress(args: argparse.Namespace, epochs_done: float, seconds: float) -> fl
     return min(done, 1.0)
 
 
+class WeightAverage:
+    r"""An exponential moving average of the parameters of ``module``: after every optimiser step
+    :math:`\bar\theta \leftarrow d\,\bar\theta + (1 - d)\,\theta` (:meth:`update`); ``decay`` :math:`d = 0`
+    keeps nothing and every method does nothing (the model's own weights are used).
+
+    Example::
+
+        >>> layer = torch.nn.Linear(1, 1, bias=False)
+        >>> average = WeightAverage(layer, decay=0.5)
+        >>> with torch.no_grad():
+        ...     _ = layer.weight.fill_(1.0)
+        >>> before = average.shadow[0].item()
+        >>> average.update()
+        >>> with average.swapped_in():
+        ...     round(layer.weight.item(), 6) == round(0.5 * before + 0.5, 6)
+        True
+        >>> layer.weight.item()
+        1.0
+    """
+
+    def __init__(self, module: torch.nn.Module, decay: float) -> None:
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay!r}")
+        self.decay = decay
+        self.params = [p for p in module.parameters() if p.requires_grad] if decay else []
+        self.shadow = [p.detach().clone() for p in self.params]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """Move the average towards the current weights."""
+        if self.params:
+            torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], 1.0 - self.decay)
+
+    @contextlib.contextmanager
+    def swapped_in(self):
+        """The module holds the averaged weights inside the ``with`` block, its own weights again after it."""
+        saved = [p.detach().clone() for p in self.params]
+        self.copy_to_model()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, s in zip(self.params, saved):
+                    p.copy_(s)
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        """Give the module the averaged weights."""
+        for p, s in zip(self.params, self.shadow):
+            p.copy_(s)
+
+
 def _bar(epochs: int, disable: bool):
     try:
         from tqdm import tqdm
@@ -87,7 +140,9 @@ def fit(model: torch.nn.Module, train_set: Sequence[dict], units: dict, args: ar
     \eta_0 (1 + \cos \pi t) / 2` with :math:`t` the fraction done of the epochs or of the time budget), batches of
     ``args.batch_size`` shuffled with ``args.seed``, the loss :func:`~e3attn.train.loss_fn` with
     ``args.force_weight``, ``args.energy_weight`` (and ``args.stress_weight`` when the samples have stress).
-    With ``args.time_budget`` no epoch starts that would not end within it (validation included).
+    With ``args.time_budget`` no epoch starts that would not end within it (validation included). With
+    ``args.ema`` :math:`> 0` the validation, the model kept and the model returned are those of the moving average of
+    the weights (:class:`WeightAverage`).
 
     Example::
 
@@ -110,6 +165,7 @@ def fit(model: torch.nn.Module, train_set: Sequence[dict], units: dict, args: ar
                         generator=torch.Generator().manual_seed(args.seed))
     module = getattr(model, "module", model)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    average = WeightAverage(module, getattr(args, "ema", 0.0))
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=3) \
         if args.schedule == "plateau" else None
     weights = dict(force_weight=args.force_weight, energy_weight=args.energy_weight,
@@ -135,15 +191,17 @@ def fit(model: torch.nn.Module, train_set: Sequence[dict], units: dict, args: ar
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+            average.update()
             total += loss.item()
         losses.append(total / len(loader))
         if plateau is not None:
             plateau.step(synced_max(losses[-1], args.ddp, device))
         if valid_set:
-            valid_losses.append(synced_max(evaluate(module, valid_set, units, device, args.amp, weights=weights)["loss"],
-                                           args.ddp, device))
-            if valid_losses[-1] < best[0]:
-                best = (valid_losses[-1], epoch + 1, {k: v.detach().clone() for k, v in module.state_dict().items()})
+            with average.swapped_in():
+                valid_loss = evaluate(module, valid_set, units, device, args.amp, weights=weights)["loss"]
+                valid_losses.append(synced_max(valid_loss, args.ddp, device))
+                if valid_losses[-1] < best[0]:
+                    best = (valid_losses[-1], epoch + 1, {k: v.detach().clone() for k, v in module.state_dict().items()})
         epoch_time = synced_max(time.perf_counter() - start, args.ddp, device) - elapsed
         if bar is not None:
             bar.update()
@@ -152,4 +210,6 @@ def fit(model: torch.nn.Module, train_set: Sequence[dict], units: dict, args: ar
         bar.close()
     if best[2] is not None:
         module.load_state_dict(best[2])
+    else:
+        average.copy_to_model()
     return FitResult(losses, valid_losses, time.perf_counter() - start, best[1] if best[2] is not None else len(losses))

@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 import warnings
-from typing import Callable, NoReturn, Optional
+from typing import Any, Callable, Dict, Mapping, NoReturn, Optional
 
 import torch
 
@@ -122,38 +122,67 @@ def _neighbors(value: str):
     return value if value == "auto" else _number(float, lambda x: 0 < x < float("inf"), "a positive number or 'auto'")(value)
 
 
-def add_model_options(p: argparse.ArgumentParser, avg_num_neighbors="auto") -> None:
-    """The options of the :class:`~e3attn.models.EquivariantTransformer` energy model (defaults: the EMT example's).
+MODEL_DEFAULTS: Dict[str, Any] = dict(max_radius=4.0, hidden="16x0e + 8x1o", layers=1, heads=4, lmax=1, basis_size=10,
+                                      radial_neurons=16, basis="bessel", density=32, layer_norm="post")
+"""Defaults of :func:`add_model_options`: the EMT example's model (``examples/molecules.py``)."""
+TRAINING_DEFAULTS: Dict[str, Any] = dict(batch_size=8, lr=1e-2, schedule="cosine", force_weight=3.0, energy_weight=1.0,
+                                         energy_scale="force_rms", ema=0.0)
+"""Defaults of :func:`add_training_options` (but the epochs and the budget): the EMT example's."""
+
+
+def _defaults(given: Optional[Mapping[str, Any]], table: Dict[str, Any]) -> Dict[str, Any]:
+    unknown = sorted(set(given or {}) - set(table))
+    if unknown:
+        raise ValueError(f"defaults: unknown option(s) {', '.join(unknown)}; known: {', '.join(table)}")
+    return {**table, **(given or {})}
+
+
+def add_model_options(p: argparse.ArgumentParser, avg_num_neighbors="auto",
+                      defaults: Optional[Mapping[str, Any]] = None) -> None:
+    """The options of the :class:`~e3attn.models.EquivariantTransformer` energy model.
 
     ``avg_num_neighbors``: the default of ``--avg-num-neighbors``, a number or ``"auto"`` (the training set's mean).
+    ``defaults``: defaults (by destination, e.g. ``{"max_radius": 5.0}``) that replace those of
+    ``MODEL_DEFAULTS``.
 
     Example::
 
         >>> p = ArgumentParser("Train.")
-        >>> add_model_options(p)
-        >>> p.parse_args(["--max-radius", "5"]).max_radius
-        5.0
+        >>> add_model_options(p, defaults={"layers": 2})
+        >>> args = p.parse_args(["--max-radius", "5"])
+        >>> args.max_radius, args.layers, args.lmax
+        (5.0, 2, 1)
     """
-    p.add_argument("--max-radius", type=positive_float, default=4.0, help="cutoff in Angstrom")
-    p.add_argument("--hidden", type=irreps, default="16x0e + 8x1o", help="hidden irreps")
-    p.add_argument("--layers", type=positive_int, default=1, help="attention blocks")
-    p.add_argument("--heads", type=positive_int, default=4,
-                   help="attention heads (must divide every multiplicity of --hidden)")
-    p.add_argument("--lmax", type=non_negative_int, default=1, help="largest degree of the edge harmonics")
-    p.add_argument("--radial-neurons", type=positive_int, default=16, help="hidden size of the radial MLPs")
-    p.add_argument("--basis", choices=("smooth_finite", "gaussian", "bessel"), default="bessel",
-                   help="radial basis of the edge lengths")
-    p.add_argument("--density", type=non_negative_int, default=32, metavar="K",
-                   help="neighbour-density channels per block (0: attention only)")
+    d = _defaults(defaults, MODEL_DEFAULTS)
+    p.add_argument("--max-radius", type=positive_float, default=d["max_radius"],
+                   help=f"cutoff in Angstrom (default {d['max_radius']:g})")
+    p.add_argument("--hidden", type=irreps, default=d["hidden"], help=f"hidden irreps (default {d['hidden']!r})")
+    p.add_argument("--layers", type=positive_int, default=d["layers"], help=f"attention blocks (default {d['layers']})")
+    p.add_argument("--heads", type=positive_int, default=d["heads"],
+                   help=f"attention heads (must divide every multiplicity of --hidden; default {d['heads']})")
+    p.add_argument("--lmax", type=non_negative_int, default=d["lmax"],
+                   help=f"largest degree of the edge harmonics (default {d['lmax']})")
+    p.add_argument("--basis-size", type=positive_int, default=d["basis_size"],
+                   help=f"radial basis functions of the edge lengths (default {d['basis_size']})")
+    p.add_argument("--radial-neurons", type=positive_int, default=d["radial_neurons"],
+                   help=f"hidden size of the radial MLPs (default {d['radial_neurons']})")
+    p.add_argument("--basis", choices=("smooth_finite", "gaussian", "bessel"), default=d["basis"],
+                   help=f"radial basis of the edge lengths (default {d['basis']})")
+    p.add_argument("--density", type=non_negative_int, default=d["density"], metavar="K",
+                   help=f"neighbour-density channels per block (0: attention only; default {d['density']})")
     p.add_argument("--avg-num-neighbors", type=_neighbors, default=avg_num_neighbors,
                    help="normalisation of the density sums ('auto': the mean number of neighbours within the "
                         "cutoff in the training set)")
-    p.add_argument("--layer-norm", choices=("post", "pre", "none"), default="post",
-                   help="equivariant layer norm after every block, on every block's input, or none")
+    p.add_argument("--layer-norm", choices=("post", "pre", "none"), default=d["layer_norm"],
+                   help=f"equivariant layer norm after every block, on every block's input, or none "
+                        f"(default {d['layer_norm']})")
 
 
-def add_training_options(p: argparse.ArgumentParser, epochs: int, time_budget: float) -> None:
+def add_training_options(p: argparse.ArgumentParser, epochs: int, time_budget: float,
+                         defaults: Optional[Mapping[str, Any]] = None) -> None:
     """The options of :func:`e3attn.train.fit`: epochs, budget, batches, optimiser, loss, AMP, DDP, progress bar.
+
+    ``defaults``: defaults (by destination, e.g. ``{"lr": 5e-3}``) that replace those of ``TRAINING_DEFAULTS``.
 
     Example::
 
@@ -163,22 +192,28 @@ def add_training_options(p: argparse.ArgumentParser, epochs: int, time_budget: f
         >>> args.lr, args.epochs, args.schedule
         (0.005, 100, 'cosine')
     """
-    p.add_argument("--epochs", type=positive_int, default=epochs, help="at most this many epochs")
-    p.add_argument("--batch-size", type=positive_int, default=8,
-                   help="structures per batch (per process with --ddp)")
+    d = _defaults(defaults, TRAINING_DEFAULTS)
+    p.add_argument("--epochs", type=positive_int, default=epochs, help=f"at most this many epochs (default {epochs})")
+    p.add_argument("--batch-size", type=positive_int, default=d["batch_size"],
+                   help=f"structures per batch (per process with --ddp; default {d['batch_size']})")
     p.add_argument("--time-budget", type=non_negative_float, default=time_budget, metavar="SECONDS",
                    help="stop training after this many seconds, 0 for no limit (the learning rate schedule "
                         f"follows the time; default {time_budget:g})")
-    p.add_argument("--lr", type=positive_float, default=1e-2, help="Adam learning rate")
-    p.add_argument("--schedule", choices=SCHEDULES, default="cosine",
+    p.add_argument("--lr", type=positive_float, default=d["lr"], help=f"Adam learning rate (default {d['lr']:g})")
+    p.add_argument("--schedule", choices=SCHEDULES, default=d["schedule"],
                    help="learning rate: cosine decay to 0 over the epochs (or the time budget), "
-                        "halving on a plateau of the training loss, or constant")
-    p.add_argument("--force-weight", type=non_negative_float, default=3.0, help="weight of the force term")
-    p.add_argument("--energy-weight", type=non_negative_float, default=1.0,
-                   help="weight of the energy-per-atom term")
-    p.add_argument("--energy-scale", choices=ENERGY_SCALES, default="force_rms",
+                        f"halving on a plateau of the training loss, or constant (default {d['schedule']})")
+    p.add_argument("--force-weight", type=non_negative_float, default=d["force_weight"],
+                   help=f"weight of the force term (default {d['force_weight']:g})")
+    p.add_argument("--energy-weight", type=non_negative_float, default=d["energy_weight"],
+                   help=f"weight of the energy-per-atom term (default {d['energy_weight']:g})")
+    p.add_argument("--energy-scale", choices=ENERGY_SCALES, default=d["energy_scale"],
                    help="unit of the model's output energy: the RMS force component (times 1 Angstrom) or the "
-                        "standard deviation of the energy per atom after the per-element references")
+                        "standard deviation of the energy per atom after the per-element references "
+                        f"(default {d['energy_scale']})")
+    p.add_argument("--ema", type=fraction, default=d["ema"], metavar="DECAY",
+                   help="validate, keep and save an exponential moving average of the weights, updated after every "
+                        f"step with this decay (0: the weights themselves; default {d['ema']:g})")
     p.add_argument("--amp", action="store_true", help="bfloat16 autocast (CUDA only)")
     p.add_argument("--ddp", action="store_true", help="DistributedDataParallel; launch with torchrun")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
