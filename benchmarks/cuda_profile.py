@@ -41,7 +41,8 @@ def profile_md(num_atoms: int, calls: int = 5) -> None:
     gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     syncs = sum(e.count for e in events if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::item",
                                                      "aten::_local_scalar_dense"))
-    print(f"md {num_atoms} atoms, cuda kernels {kernels.set_cuda_kernels(kernels.fused_enabled(torch.device('cuda'), torch.float32))}: "
+    enabled = kernels.fused_enabled(torch.device("cuda"), torch.float32)
+    print(f"md {num_atoms} atoms, cuda kernels {enabled}: "
           f"{launches / calls:.0f} GPU kernels per call, GPU busy {gpu_us / calls / 1e3:.2f} ms per call, "
           f"{syncs / calls:.1f} item/sync per call")
     print(events.table(sort_by="self_cpu_time_total", row_limit=12))
