@@ -11,7 +11,7 @@ way; elsewhere by the PyTorch formulation it is given, which those kernels equal
 
 A first layer that requires a gradient under autograd is training's: there forces are differentiated again, and
 the kernels take such second derivatives of the plain formulation, recomputed, so their forward pass would be
-work done twice (measured: about 5% of a force-training step of a small molecule). Frozen weights get the
+work done twice. Frozen weights get the
 kernels (:class:`~e3attn.calculator.E3AttnCalculator` freezes them for its calls: an energy-and-forces call is a
 first derivative), as does a forward pass under ``torch.no_grad()``; :func:`~e3attn.models.energy_and_forces`
 turns autograd on, so there a model whose parameters require gradients takes the plain formulation.
