@@ -12,8 +12,8 @@ the others' derivative:
     t = O(b, h) \Rightarrow \partial_b = D(g, h),\ \partial_h = S(b, g).
 
 In PyTorch each is a broadcast product and a sum: a few passes over ``[E, heads, K]`` tensors each way.
-:func:`head_dot` and :func:`head_outer` here compute the same in one pass per direction, as ``torch.autograd.Function`` for plain eager CPU tensors
-(:func:`~e3attn.kernels.eager_on_cpu`). A gradient that must itself be differentiable (training on forces) is
+:func:`head_dot` and :func:`head_outer` here compute the same in one pass per direction, as
+``torch.autograd.Function`` for plain eager CPU tensors (:func:`~e3attn.kernels.eager_on_cpu`). A gradient that must itself be differentiable (training on forces) is
 taken with the PyTorch formulas, which autograd differentiates again.
 """
 from __future__ import annotations
