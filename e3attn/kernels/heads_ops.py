@@ -13,8 +13,9 @@ the others' derivative:
 
 In PyTorch each is a broadcast product and a sum: a few passes over ``[E, heads, K]`` tensors each way.
 :func:`head_dot` and :func:`head_outer` here compute the same in one pass per direction, as
-``torch.autograd.Function`` for plain eager CPU tensors (:func:`~e3attn.kernels.eager_on_cpu`). A gradient that must itself be differentiable (training on forces) is
-taken with the PyTorch formulas, which autograd differentiates again.
+``torch.autograd.Function`` for plain eager CPU tensors (:func:`~e3attn.kernels.eager_on_cpu`). A gradient that must
+itself be differentiable (training on forces) is taken with the PyTorch formulas, which autograd differentiates
+again.
 """
 from __future__ import annotations
 
