@@ -43,6 +43,7 @@ from .backends import backend
 from .cpu import _array, _forward_groups
 from .layout import component_major_paths, layout_for, padded_paths
 from .remembered import checked, remember
+from .segment_checks import check_segments, check_shape, common_dtype, node_arguments
 from .threads import groups_for, parallel, reduction_groups
 
 __all__ = ["call", "node_expand", "node_outer", "path_features", "path_features_backward"]
@@ -53,77 +54,6 @@ _TILE = 64  # edges per tile of the path features (longer tiles measured slower:
 def _node_groups(rowptr: torch.Tensor, work: int) -> int:
     """Groups of nodes for the threads: a few per thread (no reduction: any split gives the same result)."""
     return groups_for(work, max(1, min(rowptr.shape[0] - 1, 4 * torch.get_num_threads())))
-
-
-def _check_segments(rowptr: torch.Tensor, num_edges: int, num_nodes: int, device: torch.device) -> None:
-    """Check what the kernels rely on in ``rowptr`` (they index without bounds checks): on the CPU its values too,
-    once per tensor and version (a model reuses one ``rowptr`` for all its layers and both directions); on a GPU
-    its shape, dtype and device only (reading its values would wait for the device: the layer builds it)."""
-    if (rowptr.dim() != 1 or rowptr.dtype != torch.int64 or rowptr.device != device
-            or rowptr.shape[0] != num_nodes + 1):
-        raise ValueError(f"rowptr must be a 1-d int64 tensor [{num_nodes + 1}] (one more than the nodes) on "
-                         f"{device}, got {rowptr.dtype} {list(rowptr.shape)} on {rowptr.device}")
-    if device.type == "cpu" and checked(rowptr, num_edges) is None:
-        array = _array(rowptr)
-        if array[0] != 0 or array[-1] != num_edges or np.any(np.diff(array) < 0):
-            raise ValueError(f"rowptr must rise from 0 to the number of edges ({num_edges})")
-        remember(rowptr, num_edges, True)
-
-
-def _check(name: str, t: torch.Tensor, shape: Tuple[int, ...], device: torch.device) -> None:
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on {device}, got {t.device}")
-
-
-def _node_arguments(edge_rows: Optional[torch.Tensor], y: Optional[torch.Tensor], z: Optional[torch.Tensor],
-                    lt: Optional[torch.Tensor], blocks: torch.Tensor, rowptr: torch.Tensor, dims: List[int]):
-    """Check the arguments of a node kernel against ``dims = [heads, hidden, paths, z width, L size]``:
-    ``a [E, heads * hidden]`` (flattened), ``y [E, paths]``, ``z [N, z width]``, ``lt [L size]`` (None ones
-    skipped), ``blocks`` and ``rowptr``; the block table as Python integers."""
-    heads, hidden, paths, zwidth, lsize = dims
-    nodes = rowptr.shape[0] - 1
-    num = next((t.shape[0] for t in (edge_rows, y) if t is not None), 0)
-    _common_dtype(**{"a": edge_rows, "y": y, "z": z, "lt": lt})
-    device = next(t for t in (edge_rows, y, z, lt) if t is not None).device
-    for name, t, shape in (("a", edge_rows, (num, heads * hidden)), ("y", y, (num, paths)), ("z", z, (nodes, zwidth)),
-                           ("lt", lt, (lsize,))):
-        if t is not None:
-            _check(name, t, shape, device)
-    _check_segments(rowptr, num, nodes, device)
-    return _check_blocks(blocks, dims)
-
-
-def _check_blocks(blocks: torch.Tensor, dims: List[int]) -> List[List[int]]:
-    """The block table as Python integers, after checking that it stays inside ``dims``."""
-    heads, hidden, paths, zwidth, lsize = dims
-    if blocks.dtype != torch.int64 or blocks.dim() != 2 or blocks.shape[1] != 6 or blocks.device.type != "cpu":
-        raise ValueError(f"blocks must be an int64 CPU tensor [B, 6], got {blocks.dtype} {list(blocks.shape)} on "
-                         f"{blocks.device}")
-    if heads < 1 or min(dims) < 0:
-        raise ValueError(f"dims must be [heads >= 1, hidden, paths, z width, L size] >= 0, got {list(dims)}")
-    table = checked(blocks, tuple(dims))
-    if table is not None:
-        return table
-    table = blocks.tolist()
-    for poff, k, dim_l, width, loff, zoff in table:
-        if min(poff, k, dim_l, width, loff, zoff) < 0 or poff + k * dim_l > paths or (
-                loff + heads * width * hidden * k > lsize or zoff + heads * width * dim_l > zwidth):
-            raise ValueError(f"blocks does not fit dims {list(dims)} (paths, z width, L size): "
-                             f"row {[poff, k, dim_l, width, loff, zoff]}")
-    remember(blocks, tuple(dims), table)
-    return table
-
-
-def _common_dtype(**tensors: Optional[torch.Tensor]) -> torch.dtype:
-    """The one floating dtype (float32 or float64) of the given tensors (None ones ignored)."""
-    given = {name: t.dtype for name, t in tensors.items() if t is not None}
-    dtypes = set(given.values())
-    if len(dtypes) != 1 or not dtypes <= set(_NUMPY):
-        raise ValueError(f"{', '.join(given)} must share one dtype, float32 or float64, got "
-                         f"{', '.join(f'{k}: {v}' for k, v in given.items())}")
-    return dtypes.pop()
 
 
 _NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
@@ -137,7 +67,7 @@ def _node_pass(y, a, z, lt, blocks, rowptr, dims, needs) -> Tuple[torch.Tensor, 
     :math:`\sum_i \langle E(z_i, L), U_i \rangle`; summed per group of nodes, in order, the groups set by
     the work alone: :func:`~e3attn.kernels.threads.reduction_groups`). On the backend
     of the tensors' device (:func:`e3attn.kernels.backend`)."""
-    table = _node_arguments(a, y, z, lt, blocks, rowptr, dims)
+    table = node_arguments(a, y, z, lt, blocks, rowptr, dims)
     ref = next(t for t in (y, a, z) if t is not None)
     if backend(ref.device) == "triton":
         from . import segments_triton  # imports triton: only where it runs
@@ -196,13 +126,13 @@ def _path_arguments(spec: str, x: torch.Tensor, index: torch.Tensor, sh: torch.T
         raise ValueError(f"x has the wrong shape for this product: {list(x.shape)}")
     if sh.dim() != 2 or sh.shape[1] <= int(layout.path_y.max(initial=-1)):
         raise ValueError(f"sh has the wrong shape for this product: {list(sh.shape)}")
-    _check("index", index, (sh.shape[0],), sh.device)
-    _check("x", x, tuple(x.shape), sh.device)
+    check_shape("index", index, (sh.shape[0],), sh.device)
+    check_shape("x", x, tuple(x.shape), sh.device)
     if sh.device.type == "cpu" and index.shape[0] and checked(index, x.shape[0]) is None:
         if int(index.min()) < 0 or int(index.max()) >= x.shape[0]:
             raise IndexError(f"index must be in [0, {x.shape[0]}) (the rows of x)")
         remember(index, x.shape[0], True)
-    _common_dtype(x=x, sh=sh)
+    common_dtype(x=x, sh=sh)
     return backend(sh.device) == "triton"
 
 
@@ -244,8 +174,8 @@ def _path_features_backward(spec: str, x: torch.Tensor, index: torch.Tensor, sh:
                            needs: List[bool]) -> Tuple[torch.Tensor, torch.Tensor]:
     """The gradients of ``x`` ``[N, in]`` and ``sh`` ``[E, sh]`` flagged in ``needs`` (others empty)."""
     on_triton = _path_arguments(spec, x, index, sh)
-    _check("grad", grad, (sh.shape[0], padded_paths(layout_for(spec).num_paths)), sh.device)
-    _common_dtype(x=x, grad=grad)
+    check_shape("grad", grad, (sh.shape[0], padded_paths(layout_for(spec).num_paths)), sh.device)
+    common_dtype(x=x, grad=grad)
     if on_triton:
         from . import segments_triton  # imports triton: only where it runs
 

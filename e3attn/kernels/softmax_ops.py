@@ -33,6 +33,7 @@ import torch
 
 from . import _plain_eager
 from .cpu import _JIT
+from .segment_checks import check_segments
 
 __all__ = ["segment_softmax_csr"]
 
@@ -78,12 +79,10 @@ def segment_softmax_csr(logits: torch.Tensor, rowptr: torch.Tensor,
                         ) -> Tuple[torch.Tensor, torch.Tensor]:
     r"""``(alpha, beta)`` ``[E, H]`` of ``logits [E, H]`` for the edges sorted by destination (``rowptr``, checked);
     ``plain(logits)`` computes the same in PyTorch operations (for derivatives that must be differentiable)."""
-    from .segment_ops import _check_segments
-
     if logits.dim() != 2 or logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"logits must be a float32 or float64 CPU tensor [E, H], got {logits.dtype} "
                          f"{list(logits.shape)} on {logits.device.type}")
-    _check_segments(rowptr, logits.shape[0], rowptr.shape[0] - 1, logits.device)
+    check_segments(rowptr, logits.shape[0], rowptr.shape[0] - 1, logits.device)
     return _Softmax.apply(logits, rowptr, plain)
 
 
