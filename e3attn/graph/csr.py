@@ -27,6 +27,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from e3attn.kernels import numba_cache  # noqa: F401  (the cache follows all kernel sources)
 from e3attn.kernels.threads import parallel, threads_for
 
 __all__ = ["csr_edges"]

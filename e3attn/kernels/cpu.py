@@ -11,7 +11,8 @@ edges (``_mac``) and the sums over the edges of products of rows (``_dots``).
 A gradient summed over the edges is accumulated in one buffer per group of work (:data:`GROUPS` groups,
 independent of the number of threads) and the groups are summed in order, so results are bitwise repeatable.
 The kernels are compiled on first use, once per dtype, and cached on disk by numba (next to their module, or in
-numba's per-user cache directory when that is read-only).
+numba's per-user cache directory when that is read-only), recompiled when any of their sources changes
+(:mod:`e3attn.kernels.numba_cache`).
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from typing import Optional
 import numba
 import numpy as np
 import torch
+
+from . import numba_cache  # noqa: F401  (before any kernel is decorated: the cache follows all their sources)
 
 __all__ = ["GROUPS"]
 
