@@ -18,7 +18,8 @@ from typing import Any, List, Optional
 __all__ = ["SOURCES", "register", "sources_stamp"]
 
 _PACKAGE = Path(__file__).resolve().parents[1]
-#: e3attn's files of numba code, relative to the package: their contents make up the stamp of every kernel.
+#: The files of e3attn that hold numba code (relative to the package); their contents make up the stamp of every
+#: kernel.
 SOURCES = ("kernels/cpu.py", "kernels/segments.py", "kernels/geometry.py", "kernels/softmax_ops.py",
            "kernels/heads_ops.py", "graph/csr.py")
 
