@@ -177,6 +177,7 @@ def train(args):
         print(f"held-out ({len(test_set)} structures): energy MAE {metrics['energy_mae_meV_per_atom']:.1f} meV/atom, "
               f"force MAE {metrics['force_mae_meV_per_A']:.1f} meV/A; parity plot saved to {path}")
     if args.ddp:
+        dist.barrier()  # rank 0's plot and checkpoint done: no rank tears the group down with work in flight
         dist.destroy_process_group()
     return module, metrics
 

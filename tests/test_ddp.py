@@ -4,6 +4,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -21,6 +22,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def spawn(fn, args, seconds: float = 300.0) -> None:
+    """``mp.spawn`` of two replicas that fails, instead of hanging the test run, if they have not both finished
+    within ``seconds``."""
+    context = mp.spawn(fn, args=args, nprocs=2, join=False)
+    deadline = time.monotonic() + seconds
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"{fn.__name__}: the replicas did not finish within {seconds:.0f} s")
+
+
 def train_replica(rank: int, world_size: int, port: int, folder: str) -> None:
     """One torchrun-like process: the example's --ddp training, then its weights written to ``folder``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -36,7 +49,7 @@ def train_replica(rank: int, world_size: int, port: int, folder: str) -> None:
 
 @pytest.mark.slow
 def test_ddp_replicas_hold_identical_weights(tmp_path):
-    mp.spawn(train_replica, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(train_replica, (2, free_port(), str(tmp_path)))
     replicas = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     assert all(r["metrics"]["world_size"] == 2 for r in replicas)
 
@@ -108,8 +121,7 @@ def test_training_command_under_ddp(tmp_path):
         atoms.calc = SinglePointCalculator(atoms, energy=atoms.get_potential_energy(), forces=atoms.get_forces())
         frames.append(atoms)
     write(tmp_path / "data.xyz", frames)
-    mp.spawn(train_command_replica, args=(2, free_port(), str(tmp_path), str(tmp_path / "data.xyz")), nprocs=2,
-             join=True)
+    spawn(train_command_replica, (2, free_port(), str(tmp_path), str(tmp_path / "data.xyz")))
     first, second = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     assert first["world_size"] == second["world_size"] == 2 and first["epochs"] == second["epochs"] == 2
     assert first["best_epoch"] == second["best_epoch"]  # the validation losses are synchronised

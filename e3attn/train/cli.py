@@ -186,6 +186,9 @@ def run(args: argparse.Namespace) -> dict:
             if name in metrics:
                 print(_line(name, metrics[name]))
     if args.ddp:
+        # every rank waits for rank 0's evaluation and writes: no rank tears the group down with work in flight
+        # (a rank that did could hang in gloo's teardown, seen as a rank that never exits)
+        dist.barrier()
         dist.destroy_process_group()
     return metrics
 
