@@ -102,14 +102,14 @@ def test_density_rejects_bad_configuration(args, kwargs, match):
 
 def make_model(seed=0, **kwargs):
     torch.manual_seed(seed)
-    return EquivariantTransformer(
-        "1x0e", HIDDEN, "1x0e + 1x1o", MAX_RADIUS, num_layers=2, num_heads=2, irreps_node_attr="3x0e", **kwargs
-    ).double()
+    kwargs = {"irreps_node_attr": "3x0e", **kwargs}
+    return EquivariantTransformer("1x0e", HIDDEN, "1x0e + 1x1o", MAX_RADIUS, num_layers=2, num_heads=2, **kwargs).double()
 
 
 VARIANTS = [
     dict(density_channels=4), dict(layer_norm="pre"), dict(layer_norm="none"),
     dict(density_channels=3, layer_norm="pre", basis="bessel"), dict(density_channels=3, basis="gaussian"),
+    dict(self_connection="node_attr"), dict(self_connection="node_attr", layer_norm="pre", density_channels=3),
 ]  # their smoothness at the cutoff: tests/test_models.py::test_neighbour_fades_out_smoothly_at_the_cutoff
 
 
@@ -144,12 +144,30 @@ def test_density_enters_the_energy_and_forces():
     assert (without - energy).abs().max() > 1e-3
 
 
+def test_self_connection_depends_on_the_elements_in_every_block():
+    model = make_model(self_connection="node_attr")
+    pos, _ = cluster(n=9)
+    attr = torch.nn.functional.one_hot(torch.arange(9) % 3, 3).double()
+    model(pos, node_attr=attr).pow(2).sum().backward()
+    for block in model.layers:
+        assert block.skip.weight.grad.abs().max() > 1e-6
+    # the block's residual for an atom of element s is a linear map of its own: W_s h, with W_s from the weights
+    block, h = model.layers[0], torch.randn(9, block.skip.irreps_in1.dim, dtype=torch.float64)
+    basis, elements = torch.eye(h.shape[1], dtype=h.dtype), torch.eye(3, dtype=h.dtype)
+    per_element = torch.stack([block.skip(basis, elements[s].expand(h.shape[1], 3)) for s in range(3)])  # [s, in, out]
+    expected = torch.einsum("ni,nio->no", h, per_element[torch.arange(9) % 3])
+    torch.testing.assert_close(block.skip(h, attr), expected, rtol=1e-12, atol=1e-12)
+    assert (per_element[0] - per_element[1]).abs().max() > 1e-3  # elements get maps of their own
+
+
 def test_defaults_are_the_old_model():
     # the new options default to the model without them: same parameters, same outputs
     old_names = {"embedding.weight", "output.weight"}
     model = make_model()
     assert model.config["density_channels"] == 0 and model.config["layer_norm"] == "post"
-    assert all(block.density is None and block.norm is not None and not block.pre_norm for block in model.layers)
+    assert model.config["self_connection"] == "identity"
+    assert all(block.density is None and block.norm is not None and not block.pre_norm and block.skip is None
+               for block in model.layers)
     assert old_names <= set(model.state_dict())
     assert not any("density" in name for name in model.state_dict())
 
@@ -161,7 +179,7 @@ def test_checkpoint_without_the_new_options_loads_as_the_old_model(tmp_path):
             p.add_(0.1 * torch.randn_like(p))
     save_checkpoint(model, tmp_path / "model.pt")
     checkpoint = torch.load(tmp_path / "model.pt", weights_only=True)
-    for key in ("density_channels", "avg_num_neighbors", "layer_norm", "basis"):  # as written by e3attn 0.1.0
+    for key in ("density_channels", "avg_num_neighbors", "layer_norm", "basis", "self_connection"):  # e3attn 0.1.0
         del checkpoint["config"][key]
     torch.save(checkpoint, tmp_path / "old.pt")
     loaded, _ = load_checkpoint(tmp_path / "old.pt")
@@ -171,8 +189,9 @@ def test_checkpoint_without_the_new_options_loads_as_the_old_model(tmp_path):
     assert torch.equal(loaded(pos, node_attr=attr), model(pos, node_attr=attr))
 
 
-def test_density_checkpoint_round_trip(tmp_path):
-    model = make_model(density_channels=4, avg_num_neighbors=3.0, layer_norm="pre")
+@pytest.mark.parametrize("options", [dict(layer_norm="pre"), dict(self_connection="node_attr")])
+def test_options_checkpoint_round_trip(tmp_path, options):
+    model = make_model(density_channels=4, avg_num_neighbors=3.0, **options)
     save_checkpoint(model, tmp_path / "model.pt")
     loaded, _ = load_checkpoint(tmp_path / "model.pt")
     pos, _ = cluster(n=9)
@@ -188,6 +207,8 @@ def test_density_checkpoint_round_trip(tmp_path):
         (dict(density_channels=True), "density_channels must be a non-negative int"),
         (dict(density_channels=2, avg_num_neighbors=-1.0), "avg_num_neighbors must be a positive number"),
         (dict(layer_norm=False), "layer_norm must be one of"),
+        (dict(self_connection="attr"), "self_connection must be one of"),
+        (dict(self_connection="node_attr", irreps_node_attr=None), "self_connection='node_attr' needs irreps_node_attr"),
     ],
 )
 def test_transformer_rejects_bad_options(kwargs, match):

@@ -21,11 +21,14 @@ __all__ = ["EquivariantTransformer"]
 
 REDUCTIONS = (None, "sum", "mean")
 LAYER_NORMS = ("post", "pre", "none")
+SELF_CONNECTIONS = ("identity", "node_attr")
 _DATA_KEYS = ("pos", "x", "batch", "edge_index", "edge_vec", "node_attr")
 
 
 class _Block(torch.nn.Module):
-    """Attention (+ density) -> gate -> self-interaction -> residual -> layer norm, on ``irreps`` features."""
+    """Attention (+ density) -> gate -> self-interaction -> residual (or self-connection) -> layer norm, on
+    ``irreps`` features; ``irreps_skip``: the node attributes' irreps of a self-connection ``S(h, a)`` instead of the
+    residual ``h``."""
 
     def __init__(
         self,
@@ -36,6 +39,7 @@ class _Block(torch.nn.Module):
         density_channels: int = 0,
         avg_num_neighbors: float = 1.0,
         layer_norm: str = "post",
+        irreps_skip: Optional[o3.Irreps] = None,
         **attention_kwargs,
     ) -> None:
         super().__init__()
@@ -55,15 +59,16 @@ class _Block(torch.nn.Module):
                 IrrepsLinear(f"{density_channels}x0e", self.gate.irreps_in),
             )
         self.self_interaction = IrrepsLinear(irreps, irreps)
+        self.skip = None if irreps_skip is None else o3.FullyConnectedTensorProduct(irreps, irreps_skip, irreps)
         self.norm = EquivariantLayerNorm(irreps) if layer_norm != "none" else None
         self.pre_norm = layer_norm == "pre"
 
-    def forward(self, h, pos, edge_index, edge_vec):
+    def forward(self, h, pos, edge_index, edge_vec, node_attr=None):
         x = self.norm(h) if self.pre_norm else h
         update = self.attention(x, pos, edge_index, edge_vec=edge_vec)
         if self.density is not None:
             update = update + self.density_mix(self.density(x, edge_index, edge_vec))
-        h = h + self.self_interaction(self.gate(update))
+        h = (h if self.skip is None else self.skip(h, node_attr)) + self.self_interaction(self.gate(update))
         return self.norm(h) if self.norm is not None and not self.pre_norm else h
 
 
@@ -103,8 +108,18 @@ class EquivariantTransformer(torch.nn.Module):
             \mathrm{Gate}\!\left(\mathrm{Attn}^{(t)}(h^{(t)}, \vec x)_i
             + W_\rho^{(t)}\, \mathrm{silu}\big(A^{(t)} \rho^{(t)}_i + b^{(t)}\big)\right)\right)
 
-    and ``layer_norm`` moves or drops :math:`\mathrm{LN}`. The attention itself is unchanged
-    (``sqrt_alpha`` aggregation). The defaults (no density, layer norm) are the model of
+    and ``layer_norm`` moves or drops :math:`\mathrm{LN}`. With ``self_connection="node_attr"`` the
+    residual :math:`h^{(t)}_i` of every block becomes a self-connection that depends on the node attributes;
+    for scalar attributes :math:`a_i` (e.g. one-hot atom types),
+
+    .. math::
+
+        S^{(t)}(h_i, a_i)_{(w, l)} = \sum_{u, v} W^{(t, l)}_{u v w}\, (h_i)_{(u, l)}\, (a_i)_v
+
+    (an e3nn ``FullyConnectedTensorProduct`` :math:`h \otimes a \to h`; with one-hot atom types :math:`a`,
+    a learned linear map per element, as the self-connections of NequIP and MACE): the element of an atom then
+    shapes every block, not only the embedding. The attention itself is unchanged
+    (``sqrt_alpha`` aggregation). The defaults (no density, layer norm, identity residual) are the model of
     e3attn 0.1, so checkpoints written without these options load as they were saved.
 
     The graph is built once per call (the radius graph of ``pos`` in each graph of
@@ -132,6 +147,8 @@ class EquivariantTransformer(torch.nn.Module):
             sum, as above), ``"pre"`` (on every block's input, :math:`h^{(t+1)} = h^{(t)} +
             W^{(t)}\,\mathrm{Gate}(\mathrm{Attn}^{(t)}(\mathrm{LN}(h^{(t)})))`: the residual stream, and
             the output, keep their magnitude) or ``"none"``.
+        self_connection: ``"identity"`` (the residual :math:`h^{(t)}`) or ``"node_attr"`` (the
+            self-connection :math:`S^{(t)}(h^{(t)}, a)` above; needs ``irreps_node_attr``).
 
     Shapes:
         ``pos [N, 3]``, ``x [N, irreps_in.dim]``, ``node_attr [N, irreps_node_attr.dim]``,
@@ -167,6 +184,7 @@ class EquivariantTransformer(torch.nn.Module):
         avg_num_neighbors: float = 1.0,
         layer_norm: str = "post",
         basis: str = "smooth_finite",
+        self_connection: str = "identity",
     ) -> None:
         super().__init__()
         self.irreps_in = as_irreps(irreps_in, "irreps_in")
@@ -188,6 +206,10 @@ class EquivariantTransformer(torch.nn.Module):
             raise ValueError(f"avg_num_neighbors must be a positive number, got {avg_num_neighbors!r}")
         if layer_norm not in LAYER_NORMS:
             raise ValueError(f"layer_norm must be one of {LAYER_NORMS}, got {layer_norm!r}")
+        if self_connection not in SELF_CONNECTIONS:
+            raise ValueError(f"self_connection must be one of {SELF_CONNECTIONS}, got {self_connection!r}")
+        if self_connection == "node_attr" and self.irreps_node_attr is None:
+            raise ValueError("self_connection='node_attr' needs irreps_node_attr (the node attributes it depends on)")
         split_heads(self.irreps_hidden, num_heads, "irreps_hidden")
         split_heads(self.irreps_key, num_heads, "irreps_key")
         self.reduce = reduce
@@ -198,6 +220,7 @@ class EquivariantTransformer(torch.nn.Module):
                 self.irreps_hidden, self.irreps_key, max_radius, num_heads=num_heads, lmax=lmax,
                 number_of_basis=number_of_basis, radial_neurons=radial_neurons, basis=basis,
                 density_channels=density_channels, avg_num_neighbors=avg_num_neighbors, layer_norm=layer_norm,
+                irreps_skip=self.irreps_node_attr if self_connection == "node_attr" else None,
             )
             for _ in range(num_layers)
         )
@@ -209,7 +232,7 @@ class EquivariantTransformer(torch.nn.Module):
             number_of_basis=number_of_basis, radial_neurons=radial_neurons, irreps_key=str(self.irreps_key),
             irreps_node_attr=None if self.irreps_node_attr is None else str(self.irreps_node_attr), reduce=reduce,
             density_channels=density_channels, avg_num_neighbors=float(avg_num_neighbors), layer_norm=layer_norm,
-            basis=basis,
+            basis=basis, self_connection=self_connection,
         )
 
     def extra_repr(self) -> str:
@@ -254,7 +277,7 @@ class EquivariantTransformer(torch.nn.Module):
             check_edge_vec(edge_vec, edge_index.shape[1])
             check_dtype(edge_vec, "edge_vec", pos.dtype, "the model")
         for layer in self.layers:
-            h = layer(h, pos, edge_index, edge_vec)
+            h = layer(h, pos, edge_index, edge_vec, node_attr)
         out = self.output(h)
         if self.reduce is None:
             return out

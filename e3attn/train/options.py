@@ -123,7 +123,8 @@ def _neighbors(value: str):
 
 
 MODEL_DEFAULTS: Dict[str, Any] = dict(max_radius=4.0, hidden="16x0e + 8x1o", layers=1, heads=4, lmax=1, basis_size=10,
-                                      radial_neurons=16, basis="bessel", density=32, layer_norm="post")
+                                      radial_neurons=16, basis="bessel", density=32, layer_norm="post",
+                                      self_connection="identity")
 """Defaults of :func:`add_model_options`: the EMT example's model (``examples/molecules.py``)."""
 TRAINING_DEFAULTS: Dict[str, Any] = dict(batch_size=8, lr=1e-2, schedule="cosine", force_weight=3.0, energy_weight=1.0,
                                          energy_scale="force_rms", ema=0.0)
@@ -176,6 +177,9 @@ def add_model_options(p: argparse.ArgumentParser, avg_num_neighbors="auto",
     p.add_argument("--layer-norm", choices=("post", "pre", "none"), default=d["layer_norm"],
                    help=f"equivariant layer norm after every block, on every block's input, or none "
                         f"(default {d['layer_norm']})")
+    p.add_argument("--self-connection", choices=("identity", "node_attr"), default=d["self_connection"],
+                   help="every block's residual: the identity, or a learned map per element (node_attr; "
+                        f"default {d['self_connection']})")
 
 
 def add_training_options(p: argparse.ArgumentParser, epochs: int, time_budget: float,
