@@ -215,3 +215,14 @@ def test_transformer_rejects_bad_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
         make_model(**kwargs)
 
+
+
+@pytest.mark.parametrize("num_nodes", [0, 1])
+def test_self_connection_on_an_empty_graph_and_a_lone_atom(num_nodes):
+    model = make_model(self_connection="node_attr")
+    pos = torch.randn(num_nodes, 3, dtype=torch.float64, requires_grad=True)
+    attr = torch.nn.functional.one_hot(torch.zeros(num_nodes, dtype=torch.long), 3).double()
+    out = model(pos, node_attr=attr)
+    assert out.shape == (num_nodes, model.irreps_out.dim)
+    (grad,) = torch.autograd.grad(out.sum(), pos, allow_unused=True)
+    assert grad is None or torch.equal(grad, torch.zeros_like(pos))  # no neighbour, no force
