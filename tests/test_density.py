@@ -216,7 +216,6 @@ def test_transformer_rejects_bad_options(kwargs, match):
         make_model(**kwargs)
 
 
-
 @pytest.mark.parametrize("num_nodes", [0, 1])
 def test_self_connection_on_an_empty_graph_and_a_lone_atom(num_nodes):
     model = make_model(self_connection="node_attr")

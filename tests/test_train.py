@@ -184,7 +184,9 @@ def test_the_command_has_its_own_defaults_and_the_emt_example_keeps_its(monkeypa
     example = molecules.parse_args([])
     for key, value in {**options.MODEL_DEFAULTS, **options.TRAINING_DEFAULTS}.items():
         assert getattr(example, key) == value, key
-    assert (example.max_radius, example.layers, example.hidden) == (4.0, 1, "16x0e + 8x1o")
+    assert (example.max_radius, example.layers, example.hidden, example.heads) == (4.0, 1, "16x0e + 8x1o", 4)
+    # the command's defaults as docs/guide/training.rst states them
+    assert (args.max_radius, args.layers, args.heads, args.batch_size, args.force_weight) == (5.0, 2, 1, 8, 10.0)
     with pytest.raises(ValueError, match="unknown option.*layerz"):
         options.add_model_options(options.ArgumentParser("x"), defaults={"layerz": 2})
 

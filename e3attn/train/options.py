@@ -13,6 +13,8 @@ from typing import Any, Callable, Dict, Mapping, NoReturn, Optional
 
 import torch
 
+from ..models.transformer import LAYER_NORMS, SELF_CONNECTIONS
+
 __all__ = [
     "ArgumentParser", "fail", "device", "irreps", "positive_int", "non_negative_int", "positive_float",
     "non_negative_float", "fraction", "add_model_options", "add_training_options", "amp_only_on_cuda",
@@ -174,10 +176,10 @@ def add_model_options(p: argparse.ArgumentParser, avg_num_neighbors="auto",
     p.add_argument("--avg-num-neighbors", type=_neighbors, default=avg_num_neighbors,
                    help="normalisation of the density sums ('auto': the mean number of neighbours within the "
                         "cutoff in the training set)")
-    p.add_argument("--layer-norm", choices=("post", "pre", "none"), default=d["layer_norm"],
+    p.add_argument("--layer-norm", choices=LAYER_NORMS, default=d["layer_norm"],
                    help=f"equivariant layer norm after every block, on every block's input, or none "
                         f"(default {d['layer_norm']})")
-    p.add_argument("--self-connection", choices=("identity", "node_attr"), default=d["self_connection"],
+    p.add_argument("--self-connection", choices=SELF_CONNECTIONS, default=d["self_connection"],
                    help="every block's residual: the identity, or a learned map per element (node_attr; "
                         f"default {d['self_connection']})")
 
