@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from e3attn import kernels  # noqa: E402
-from e3attn.testing import _default_dtype  # noqa: E402
+from e3attn.testing._common import _default_dtype  # noqa: E402
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from ase.units import fs, kB  # noqa: E402
 
 from e3attn.calculator import E3AttnCalculator  # noqa: E402
 from e3attn.models import EquivariantTransformer, save_checkpoint  # noqa: E402
-from e3attn.testing import _default_dtype  # noqa: E402
+from e3attn.testing._common import _default_dtype  # noqa: E402
 
 SPECIES = ["Cu", "Ni"]
 REFERENCES = {"Cu": -3.5, "Ni": -4.4}

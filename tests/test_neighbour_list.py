@@ -12,7 +12,7 @@ from e3attn._verlet import VerletList  # noqa: E402
 from e3attn.calculator import E3AttnCalculator  # noqa: E402
 from e3attn.graph import radius_graph_pbc  # noqa: E402
 from e3attn.models import EquivariantTransformer, energy_forces_stress  # noqa: E402
-from e3attn.testing import _default_dtype  # noqa: E402
+from e3attn.testing._common import _default_dtype  # noqa: E402
 
 SPECIES = ["Cu", "Ni"]
 

@@ -7,8 +7,6 @@ import torch
 from e3nn import o3
 
 from e3attn.testing import (
-    _default_dtype,
-    _Transformation,
     assert_equivariant,
     assert_permutation_equivariant,
     assert_smooth_cutoff,
@@ -16,6 +14,8 @@ from e3attn.testing import (
     neighbour_scan,
     permutation_error,
 )
+from e3attn.testing._common import _default_dtype
+from e3attn.testing.equivariance import _Transformation
 
 IRREPS_SH = o3.Irreps("1o + 2e + 3o")
 IRREPS_X = o3.Irreps("2x1o + 1x2e + 1x0o")
