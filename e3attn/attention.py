@@ -21,7 +21,7 @@ from ._checks import (
     check_radius_fits,
 )
 from ._irreps import IrrepsLike, as_irreps
-from .edge_geometry import edge_geometry
+from .edge_geometry import Geometry, edge_geometry
 from .graph import radius_graph
 from .heads import MultiHeadDot, scale_heads, split_heads
 from .linear import IrrepsLinear
@@ -187,17 +187,22 @@ class EquivariantAttention(torch.nn.Module):
         *,
         batch: Optional[torch.Tensor] = None,
         edge_vec: Optional[torch.Tensor] = None,
+        geometry: Optional[Geometry] = None,
         return_attention: bool = False,
     ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         """Attend over the edges (the radius graph of ``pos`` when ``edge_index`` is None).
 
         ``edge_vec`` overrides ``pos[src] - pos[dst]`` (e.g. periodic images);
-        it needs an explicit ``edge_index``.
+        it needs an explicit ``edge_index``. ``geometry``: the layer's :func:`~e3attn.edge_geometry.edge_geometry`
+        ``(Y, p, r)`` of these edges, computed beforehand (:func:`~e3attn.edge_geometry.shared_edge_geometry`,
+        once for all the blocks of :class:`~e3attn.models.EquivariantTransformer`); it needs an explicit
+        ``edge_index``.
         """
         num_nodes = self._check_inputs(f, pos, batch)
         if edge_index is None:
-            if edge_vec is not None:
-                raise ValueError("edge_vec was given without edge_index: pass the edge_index it belongs to")
+            if edge_vec is not None or geometry is not None:
+                given = "edge_vec" if edge_vec is not None else "geometry"
+                raise ValueError(f"{given} was given without edge_index: pass the edge_index it belongs to")
             edge_index = radius_graph(pos, self.max_radius, batch)
         else:
             check_edge_index(edge_index, num_nodes)
@@ -207,11 +212,13 @@ class EquivariantAttention(torch.nn.Module):
         else:
             check_edge_vec(edge_vec, src.shape[0])
             check_dtype(edge_vec, "edge_vec", pos.dtype, "the layer")
+        if geometry is not None:
+            self._check_geometry(geometry, src.shape[0])
 
         if kernels.segments_enabled(pos.device, pos.dtype):
-            out, alpha = self._attend_at_nodes(f, edge_vec, src, dst, num_nodes)
+            out, alpha = self._attend_at_nodes(f, edge_vec, src, dst, num_nodes, geometry)
         else:
-            q, k, v, log_c = self._edge_terms(f, f, edge_vec, src)
+            q, k, v, log_c = self._edge_terms(f, f, edge_vec, src, geometry)
             logits = (q.index_select(0, dst) * k).sum(-1) + log_c[:, None]  # [E, H]
             alpha, weight = self._attention_weights(logits, dst, num_nodes)
             out = scatter_sum(scale_heads(v, weight, self._output_sizes), dst, num_nodes)
@@ -234,6 +241,19 @@ class EquivariantAttention(torch.nn.Module):
         check_batch(batch, num_nodes)
         return num_nodes
 
+    def _check_geometry(self, geometry: Geometry, num_edges: int) -> None:
+        """``geometry`` must be ``(Y [E, sh], p [E, first layer], r [E])`` in the layer's dtype."""
+        widths = ((self.sh.lmax + 1) ** 2, self.radial.weight1.shape[1])
+        if not (isinstance(geometry, (tuple, list)) and len(geometry) == 3
+                and all(isinstance(t, torch.Tensor) for t in geometry)):
+            raise ValueError("geometry must be a tuple (Y, p, r) of tensors, from e3attn.edge_geometry")
+        expected = [(num_edges, widths[0]), (num_edges, widths[1]), (num_edges,)]
+        if [tuple(t.shape) for t in geometry] != expected:
+            raise ValueError(f"geometry must have the shapes {expected} for {num_edges} edges, "
+                             f"got {[tuple(t.shape) for t in geometry]}")
+        for name, t in zip(("Y", "p", "r"), geometry):
+            check_dtype(t, f"geometry's {name}", self.radial.weight1.dtype, "the layer")
+
     def _attention_weights(self, logits: torch.Tensor, dst: torch.Tensor, num_nodes: int,
                            rowptr: Optional[torch.Tensor] = None):
         r"""The attention :math:`\alpha` and the weights of the values (:math:`\sqrt{\alpha}` or :math:`\alpha`);
@@ -248,11 +268,13 @@ class EquivariantAttention(torch.nn.Module):
             alpha, sqrt_alpha = plain(logits)
         return alpha, sqrt_alpha if self.aggregation == "sqrt_alpha" else alpha
 
-    def _geometry(self, edge_vec: torch.Tensor):
+    def _geometry(self, edge_vec: torch.Tensor, geometry: Optional[Geometry] = None):
         """The spherical harmonics, the first layers' outputs of the radial networks and the log cutoff weights of
-        every edge, from :meth:`_plain_geometry` or, where the node kernels run, the same on the kernels of
-        :mod:`e3attn.kernels.geometry_ops` (:func:`~e3attn.edge_geometry.edge_geometry`)."""
-        sh, pre, r = edge_geometry(edge_vec, self.radial.input_layer(), self.sh, self.embedding, self._plain_geometry)
+        every edge, from ``geometry`` or :func:`~e3attn.edge_geometry.edge_geometry` (:meth:`_plain_geometry`, or the
+        same on the kernels of :mod:`e3attn.kernels.geometry_ops` where the node kernels run)."""
+        if geometry is None:
+            geometry = edge_geometry(edge_vec, self.radial.input_layer(), self.sh, self.embedding, self._plain_geometry)
+        sh, pre, r = geometry
         return sh, pre, log_soft_unit_step(10.0 * (1.0 - r / self.max_radius))
 
     def _plain_geometry(self, edge_vec: torch.Tensor, first_layer: torch.Tensor):
@@ -262,19 +284,20 @@ class EquivariantAttention(torch.nn.Module):
         return self.sh(edge_vec), self.embedding(r) @ first_layer, r
 
     def _edge_terms(
-        self, f: torch.Tensor, f_src: torch.Tensor, edge_vec: torch.Tensor, src: Optional[torch.Tensor] = None
+        self, f: torch.Tensor, f_src: torch.Tensor, edge_vec: torch.Tensor, src: Optional[torch.Tensor] = None,
+        geometry: Optional[Geometry] = None,
     ):
         """Projected queries per node, keys and values per edge, and the log cutoff weights.
 
         ``f_src`` are the source features of every edge, or with ``src`` the node features ``f_src[src]``.
         """
-        sh, pre, log_c = self._geometry(edge_vec)
+        sh, pre, log_c = self._geometry(edge_vec, geometry)
         k, v = self.tp.forward_factored(f_src, sh, self.radial.activate(pre), self.radial.output_layers(), index=src)
         q = self.dot.project_query(self.query(f))
         return q, self.dot.key_heads(k), v, log_c
 
     def _attend_at_nodes(self, f: torch.Tensor, edge_vec: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
-                         num_nodes: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                         num_nodes: int, geometry: Optional[Geometry] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """The output and the attention (in the order of the edges) by :class:`~e3attn.node_contraction.NodeContraction`,
         on the edges sorted by destination."""
         order = None
@@ -282,8 +305,10 @@ class EquivariantAttention(torch.nn.Module):
         if torch.compiler.is_compiling() or dst.device.type != "cpu" or not bool((dst[1:] >= dst[:-1]).all()):
             order = _destination_order(dst)
             src, dst, edge_vec = src.index_select(0, order), dst.index_select(0, order), _rows(edge_vec, order)
+            if geometry is not None:
+                geometry = (_rows(geometry[0], order), _rows(geometry[1], order), geometry[2].index_select(0, order))
         rowptr = torch.searchsorted(dst.contiguous(), torch.arange(num_nodes + 1, device=dst.device))
-        sh, pre, log_c = self._geometry(edge_vec)
+        sh, pre, log_c = self._geometry(edge_vec, geometry)
         hidden = self.radial.activate(pre, normalise=False)  # c folded into the last layers
         linear = self.radial.output_layers(fold_activation_norm=True)
         out, alpha = self.nodes.attend(

@@ -15,16 +15,24 @@ work done twice. Frozen weights get the
 kernels (:class:`~e3attn.calculator.E3AttnCalculator` freezes them for its calls: an energy-and-forces call is a
 first derivative), as does a forward pass under ``torch.no_grad()``; :func:`~e3attn.models.energy_and_forces`
 turns autograd on, so there a model whose parameters require gradients takes the plain formulation.
+
+:func:`shared_edge_geometry` computes it once for several layers of the same edges (every block of
+:class:`~e3attn.models.EquivariantTransformer`): one set of harmonics, one embedding of the lengths, and their first
+layers side by side in one product.
 """
 from __future__ import annotations
 
-from typing import Callable, Tuple
+from typing import Callable, List, Sequence, Tuple
 
 import torch
 
 from . import kernels
+from .spherical_harmonics import SphericalHarmonics
 
-__all__ = ["edge_geometry"]
+__all__ = ["edge_geometry", "shared_edge_geometry"]
+
+SCALARS = SphericalHarmonics(0)
+"""The harmonics of degree 0 (a constant): those of layers that use only the lengths."""
 
 Geometry = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -56,3 +64,47 @@ def edge_geometry(edge_vec: torch.Tensor, first_layer: torch.Tensor, harmonics: 
         return geometry_ops.edge_geometry(edge_vec, first_layer, harmonics=harmonics, embedding=embedding,
                                           plain=plain)
     return plain(edge_vec, first_layer)
+
+
+def shared_edge_geometry(edge_vec: torch.Tensor, layers: Sequence[torch.nn.Module]) -> List[Geometry]:
+    r"""The :func:`edge_geometry` ``(Y, p, r)`` of ``edge_vec [E, 3]`` for each module of ``layers``, computed once:
+    the first layers :math:`W_1` of their radial networks side by side, :math:`[p^{(1)} \dots p^{(T)}] =
+    \mathrm{emb}(r)\, [W_1^{(1)} \dots W_1^{(T)}]`, and one set of harmonics, those of the layers that have
+    them (``sh``; the others get them too and ignore them).
+
+    Every module has a ``radial`` network (:class:`~e3attn.radial.RadialMLP`) and an ``embedding``
+    (:class:`~e3attn.radial.RadialEmbedding`); the embeddings must be alike (basis, size, cutoff), and the
+    harmonics of one degree.
+
+    Example::
+
+        >>> from e3attn import EquivariantAttention
+        >>> layers = [EquivariantAttention("4x0e", "4x0e", "4x0e", "4x0e", 2.0, lmax=1) for _ in range(2)]
+        >>> v = torch.randn(6, 3)
+        >>> (y, p, r), second = shared_edge_geometry(v, layers)
+        >>> own = layers[1].embedding(v.norm(dim=-1)) @ layers[1].radial.input_layer()  # keys' and values' networks
+        >>> y.shape, p.shape, bool(torch.allclose(second[1], own, atol=1e-6))
+        (torch.Size([6, 4]), torch.Size([6, 32]), True)
+    """
+    if not layers:
+        return []
+    embedding = layers[0].embedding
+    key = (embedding.basis, embedding.number_of_basis, embedding.max_radius)
+    harmonics = [layer.sh for layer in layers if getattr(layer, "sh", None) is not None]
+    for layer in layers:
+        other = layer.embedding
+        if (other.basis, other.number_of_basis, other.max_radius) != key:
+            raise ValueError(f"layers: every layer must embed the lengths alike to share them, got {embedding} "
+                             f"and {other}")
+    if len({sh.lmax for sh in harmonics}) > 1:
+        raise ValueError("layers: the harmonics must be of one degree to share them, got lmax "
+                         f"{[sh.lmax for sh in harmonics]}")
+    harmonic = harmonics[0] if harmonics else SCALARS
+    first = [layer.radial.input_layer() for layer in layers]
+
+    def plain(v: torch.Tensor, w: torch.Tensor) -> Geometry:
+        r = v.norm(dim=-1)
+        return harmonic(v), embedding(r) @ w, r
+
+    sh, pre, r = edge_geometry(edge_vec, torch.cat(first, dim=1), harmonic, embedding, plain)
+    return [(sh, p, r) for p in pre.split([w.shape[1] for w in first], dim=1)]

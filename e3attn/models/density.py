@@ -1,19 +1,19 @@
 r"""A density channel: the unnormalised, cutoff-weighted neighbour sum that attention normalises away."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .._checks import check_dtype, check_edge_index, check_edge_vec, check_features
 from .._irreps import IrrepsLike, as_irreps
-from ..edge_geometry import edge_geometry
+from ..edge_geometry import SCALARS, Geometry, edge_geometry
 from ..linear import IrrepsLinear
 from ..radial import RadialEmbedding, RadialMLP, cutoff_weight
 from ..scatter import scatter_sum
-from ..spherical_harmonics import SphericalHarmonics
 
 __all__ = ["NeighbourDensity"]
 
-_SCALARS = SphericalHarmonics(0)  # the geometry kernel's harmonics (CPU only): the density uses only lengths
 
 
 class NeighbourDensity(torch.nn.Module):
@@ -90,14 +90,24 @@ class NeighbourDensity(torch.nn.Module):
     def extra_repr(self) -> str:
         return f"{self.irreps_in} -> {self.num_channels}x0e, avg_num_neighbors={self.avg_num_neighbors}"
 
-    def forward(self, f: torch.Tensor, edge_index: torch.Tensor, edge_vec: torch.Tensor) -> torch.Tensor:
+    def forward(self, f: torch.Tensor, edge_index: torch.Tensor, edge_vec: torch.Tensor,
+                geometry: Optional[Geometry] = None) -> torch.Tensor:
+        """The densities ``[N, num_channels]``; ``geometry``: the module's :func:`~e3attn.edge_geometry.edge_geometry`
+        ``(Y, p, r)`` of the edges, computed beforehand (:func:`~e3attn.edge_geometry.shared_edge_geometry`; ``Y`` is
+        not used), instead of from ``edge_vec``."""
         num_nodes = f.shape[0] if isinstance(f, torch.Tensor) else 0
         check_features(f, self._input[0], num_nodes, "f", self._input[1])
         check_edge_index(edge_index, num_nodes)
         src, dst = edge_index[0].long(), edge_index[1].long()
         check_edge_vec(edge_vec, src.shape[0])
         check_dtype(edge_vec, "edge_vec", self.radial.weight1.dtype, "the module")
-        _, pre, r = edge_geometry(edge_vec, self.radial.input_layer(), _SCALARS, self.embedding, self._plain_geometry)
+        if geometry is None:
+            geometry = edge_geometry(edge_vec, self.radial.input_layer(), SCALARS, self.embedding, self._plain_geometry)
+        _, pre, r = geometry
+        width = self.radial.weight1.shape[1]
+        if pre.shape != (src.shape[0], width) or r.shape != (src.shape[0],):
+            raise ValueError(f"geometry must hold p [{src.shape[0]}, {width}] and r [{src.shape[0]}] for the edges, "
+                             f"got {list(pre.shape)} and {list(r.shape)}")
         radial = self.radial.activate(pre)[0] @ self.radial.output_layers()[0]
         weight = radial * (cutoff_weight(r, self.max_radius) / self.avg_num_neighbors)[:, None]
         return scatter_sum(weight * self.source(f).index_select(0, src), dst, num_nodes)

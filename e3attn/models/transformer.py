@@ -1,7 +1,7 @@
 r"""A complete equivariant transformer: attention blocks with gates, self-interactions and layer norms."""
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 from e3nn import o3
@@ -9,6 +9,7 @@ from e3nn import o3
 from .._checks import check_batch, check_dtype, check_edge_index, check_edge_vec, check_features, check_int, check_pos
 from .._irreps import IrrepsLike, as_irreps
 from ..attention import EquivariantAttention
+from ..edge_geometry import Geometry, shared_edge_geometry
 from ..graph import radius_graph
 from ..heads import split_heads
 from ..linear import IrrepsLinear
@@ -63,11 +64,15 @@ class _Block(torch.nn.Module):
         self.norm = EquivariantLayerNorm(irreps) if layer_norm != "none" else None
         self.pre_norm = layer_norm == "pre"
 
-    def forward(self, h, pos, edge_index, edge_vec, node_attr=None):
+    def geometry_layers(self) -> List[torch.nn.Module]:
+        """The modules that read the edge geometry, in the order :meth:`forward` takes their ``geometry``."""
+        return [self.attention] + ([self.density] if self.density is not None else [])
+
+    def forward(self, h, pos, edge_index, edge_vec, node_attr=None, geometry: Sequence[Optional[Geometry]] = (None, None)):
         x = self.norm(h) if self.pre_norm else h
-        update = self.attention(x, pos, edge_index, edge_vec=edge_vec)
+        update = self.attention(x, pos, edge_index, edge_vec=edge_vec, geometry=geometry[0])
         if self.density is not None:
-            update = update + self.density_mix(self.density(x, edge_index, edge_vec))
+            update = update + self.density_mix(self.density(x, edge_index, edge_vec, geometry[1]))
         h = (h if self.skip is None else self.skip(h, node_attr)) + self.self_interaction(self.gate(update))
         return self.norm(h) if self.norm is not None and not self.pre_norm else h
 
@@ -276,8 +281,10 @@ class EquivariantTransformer(torch.nn.Module):
         else:
             check_edge_vec(edge_vec, edge_index.shape[1])
             check_dtype(edge_vec, "edge_vec", pos.dtype, "the model")
+        # the harmonics, the embedding of the lengths and the radial networks' first layers of every block: at once
+        geometry = iter(shared_edge_geometry(edge_vec, [m for layer in self.layers for m in layer.geometry_layers()]))
         for layer in self.layers:
-            h = layer(h, pos, edge_index, edge_vec, node_attr)
+            h = layer(h, pos, edge_index, edge_vec, node_attr, [next(geometry) for _ in layer.geometry_layers()])
         out = self.output(h)
         if self.reduce is None:
             return out

@@ -1,0 +1,136 @@
+"""The edge geometry computed once for all the blocks of a model (e3attn.edge_geometry.shared_edge_geometry): equal to
+every layer's own, the model's energies, forces and force-training gradients unchanged (on the kernels and on the
+plain formulation, with sorted and unsorted edges), and clear errors for geometry that does not fit."""
+import pytest
+import torch
+
+import e3attn.models.transformer as transformer
+from e3attn import EquivariantAttention
+from e3attn.edge_geometry import edge_geometry, shared_edge_geometry
+from e3attn.models import EquivariantTransformer, NeighbourDensity, energy_and_forces
+from kernel_switch import plain
+
+
+def _model(lmax=2, layers=2):
+    torch.manual_seed(0)
+    return EquivariantTransformer("1x0e", "6x0e + 2x1o + 2x2e", "0e", 1.6, num_layers=layers, num_heads=2, lmax=lmax,
+                                  irreps_node_attr="2x0e", reduce="sum", density_channels=4, basis="bessel",
+                                  avg_num_neighbors=3.0)
+
+
+def _inputs(num=9, seed=1, shuffle=False):
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.randn(num, 3, generator=g, dtype=torch.float64)
+    species = torch.randint(0, 2, (num,), generator=g)
+    src, dst = [t.reshape(-1) for t in torch.meshgrid(torch.arange(num), torch.arange(num), indexing="xy")]
+    keep = src != dst
+    edge_index = torch.stack([src[keep], dst[keep]])  # grouped by destination
+    if shuffle:
+        edge_index = edge_index[:, torch.randperm(edge_index.shape[1], generator=g)]
+    return pos, torch.nn.functional.one_hot(species, 2).double(), edge_index
+
+
+def _own(monkeypatch):
+    """Every layer computes its own geometry, as before the geometry was shared."""
+    monkeypatch.setattr(transformer, "shared_edge_geometry", lambda edge_vec, layers: [None] * len(layers))
+
+
+def _energy_forces_and_training_gradients(model, pos, node_attr, edge_index):
+    energy, forces = energy_and_forces(model, pos, node_attr=node_attr, edge_index=edge_index, create_graph=True)
+    weights = torch.linspace(-1.0, 1.0, forces.numel(), dtype=forces.dtype).reshape(forces.shape)
+    loss = energy.square().sum() + (forces * weights).sum()
+    grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad], allow_unused=True)
+    return [energy.detach(), forces.detach()] + [g for g in grads if g is not None]
+
+
+@pytest.mark.parametrize("kernels_on", [True, False])
+def test_shared_geometry_equals_each_layers_own(kernels_on, float64_default):
+    model = _model()
+    layers = [m for block in model.layers for m in block.geometry_layers()]
+    assert [type(m) for m in layers] == [EquivariantAttention, NeighbourDensity] * 2
+    v = torch.randn(40, 3, generator=torch.Generator().manual_seed(3))
+    v[0] = 0.0  # a zero-length edge and one beyond the cutoff
+    v[1] = torch.tensor([2.0, 0.0, 0.0])
+    with torch.no_grad():  # frozen: the kernels' path where they run
+
+        def compute():
+            shared = shared_edge_geometry(v, layers)
+            own = [edge_geometry(v, m.radial.input_layer(), m.sh if hasattr(m, "sh") else layers[0].sh,
+                                 m.embedding, m._plain_geometry) for m in layers]
+            return shared, own
+
+        shared, own = compute() if kernels_on else plain(compute)
+    for m, (sh, pre, r), (sh2, pre2, r2) in zip(layers, shared, own):
+        torch.testing.assert_close(pre, pre2, atol=1e-14, rtol=1e-14)
+        torch.testing.assert_close(r, r2, atol=1e-15, rtol=0)
+        if isinstance(m, EquivariantAttention):
+            torch.testing.assert_close(sh, sh2, atol=1e-15, rtol=0)
+
+
+@pytest.mark.parametrize("kernels_on", [True, False])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_model_unchanged_by_sharing_the_geometry(kernels_on, shuffle, float64_default, monkeypatch):
+    """Energies, forces, and the gradients of a force loss in every parameter (second derivatives), with the
+    geometry shared against every layer's own."""
+    model = _model()
+    pos, node_attr, edge_index = _inputs(shuffle=shuffle)
+
+    def run():
+        return _energy_forces_and_training_gradients(model, pos, node_attr, edge_index)
+
+    shared = run() if kernels_on else plain(run)
+    with monkeypatch.context() as m:
+        _own(m)
+        own = run() if kernels_on else plain(run)
+    assert len(shared) == len(own) > 2
+    for a, b in zip(shared, own):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+def test_model_with_frozen_weights_unchanged_by_sharing(float64_default, monkeypatch):
+    """The calculator's call (frozen weights: the geometry on the kernels, in one pass for all the blocks)."""
+    model = _model().requires_grad_(False)
+    pos, node_attr, edge_index = _inputs()
+    shared = energy_and_forces(model, pos, node_attr=node_attr, edge_index=edge_index)
+    _own(monkeypatch)
+    own = energy_and_forces(model, pos, node_attr=node_attr, edge_index=edge_index)
+    for a, b in zip(shared, own):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+def test_geometry_that_does_not_fit_is_refused(float64_default):
+    model = _model()
+    attention, density = model.layers[0].geometry_layers()
+    pos, node_attr, edge_index = _inputs()
+    f = torch.randn(pos.shape[0], attention.irreps_input.dim)
+    edge_vec = pos[edge_index[0]] - pos[edge_index[1]]
+    sh, pre, r = shared_edge_geometry(edge_vec, [attention, density])[0]
+    with pytest.raises(ValueError, match="geometry was given without edge_index"):
+        attention(f, pos, geometry=(sh, pre, r))
+    with pytest.raises(ValueError, match="geometry must have the shapes"):
+        attention(f, pos, edge_index, geometry=(sh, pre[:, 1:], r))
+    with pytest.raises(ValueError, match="geometry must be a tuple"):
+        attention(f, pos, edge_index, geometry=(sh, pre))
+    with pytest.raises(ValueError, match="geometry's p"):
+        attention(f, pos, edge_index, geometry=(sh, pre.float(), r))
+    with pytest.raises(ValueError, match="geometry must hold p"):
+        density(f, edge_index, edge_vec, (sh, pre, r))  # the attention's first layer, not the density's
+    other = EquivariantAttention("6x0e + 2x1o + 2x2e", "2x0e", "2x0e", "2x0e", 1.6, lmax=1, basis="bessel")
+    with pytest.raises(ValueError, match="harmonics must be of one degree"):
+        shared_edge_geometry(edge_vec, [attention, other])
+    with pytest.raises(ValueError, match="embed the lengths alike"):
+        shared_edge_geometry(edge_vec, [attention, NeighbourDensity("6x0e", 2, 1.6)])  # smooth_finite basis
+    assert shared_edge_geometry(edge_vec, []) == []
+
+
+def test_geometry_given_to_the_layer_equals_its_own(float64_default):
+    """A layer given its own geometry (computed beforehand) returns what it computes from the edge vectors."""
+    layer = _model().layers[1].attention
+    pos, _, edge_index = _inputs(shuffle=True)
+    f = torch.randn(pos.shape[0], layer.irreps_input.dim, generator=torch.Generator().manual_seed(5))
+    edge_vec = pos[edge_index[0]] - pos[edge_index[1]]
+    (geometry,) = shared_edge_geometry(edge_vec, [layer])
+    out, alpha = layer(f, pos, edge_index, edge_vec=edge_vec, geometry=geometry, return_attention=True)
+    out2, alpha2 = layer(f, pos, edge_index, edge_vec=edge_vec, return_attention=True)
+    torch.testing.assert_close(out, out2, atol=1e-13, rtol=0)
+    torch.testing.assert_close(alpha, alpha2, atol=1e-13, rtol=0)
