@@ -1,23 +1,18 @@
 """Smoke test of benchmarks/md_speed.py and checks of its pieces."""
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 pytest.importorskip("ase")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "md_speed.py"
+from script_loader import load_script  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("md_speed", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/md_speed.py")
 
 
 def test_quick_run_writes_the_table_and_json(bench, tmp_path, capsys):

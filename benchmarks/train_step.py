@@ -1,0 +1,170 @@
+r"""Training speed: the time of one force-training step of the training command's model, with the edge geometry
+computed once for all the blocks (``e3attn.edge_geometry.shared_edge_geometry``, today) and by every layer for
+itself (before), and the time of one energy + forces call of the same model with frozen weights (as the
+calculator calls it).
+
+The model is that of ``e3attn-train`` with its defaults (``--`` passes other model options, e.g. ``-- --heads 4``);
+the batches hold ``--batch-size`` copies of an ASE molecule (``--molecule``, default ethanol) with random
+displacements of 0.1 Å and random labels (the time does not depend on them). A step is what
+``e3attn.train.fit`` does per batch: energies and forces with ``create_graph``, the loss, its backward and an
+Adam step. The two settings run in turns, ``--steps`` steps at a time, ``--repeats`` times; the table gives the
+medians of the per-step times and their ratio (per-layer over shared: the speed-up).
+
+Example::
+
+    python benchmarks/train_step.py --threads 1
+    python benchmarks/train_step.py --threads 1 --molecule CH3COOH -- --layers 3
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+for path in (ROOT, ROOT / "benchmarks"):  # run from a checkout without installing
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from dense_vs_sparse import cpu_name  # noqa: E402
+
+import e3attn.models.transformer as transformer  # noqa: E402
+from e3attn.models import energy_and_forces  # noqa: E402
+from e3attn.train import cli, collate, to_sample  # noqa: E402
+from e3attn.train import options as opt  # noqa: E402
+from e3attn.train.data import mean_neighbors  # noqa: E402
+from e3attn.train.model import build_model, loss_fn, predict  # noqa: E402
+
+SETTINGS = ("per-layer", "shared")
+
+
+@contextlib.contextmanager
+def geometry(setting: str):
+    """``"shared"``: the model as it is; ``"per-layer"``: every attention layer and density channel computes its
+    own edge geometry from the edge vectors, as before it was shared."""
+    shared = transformer.shared_edge_geometry
+    if setting == "per-layer":
+        transformer.shared_edge_geometry = lambda edge_vec, layers: [None] * len(layers)
+    try:
+        yield
+    finally:
+        transformer.shared_edge_geometry = shared
+
+
+def batches(name: str, batch_size: int, count: int, max_radius: float, seed: int = 0):
+    """``count`` batches of ``batch_size`` displaced copies of the molecule ``name``, with random labels; the
+    elements."""
+    from ase.build import molecule
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    base = molecule(name)
+    species = sorted(set(base.get_chemical_symbols()))
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        samples = []
+        for _ in range(batch_size):
+            atoms = base.copy()
+            atoms.positions += 0.1 * torch.randn(len(atoms), 3, generator=g, dtype=torch.float64).numpy()
+            forces = torch.randn(len(atoms), 3, generator=g, dtype=torch.float64).numpy()
+            atoms.calc = SinglePointCalculator(atoms, energy=float(torch.randn(1, generator=g)), forces=forces)
+            samples.append(to_sample(atoms, species, max_radius))
+        out.append(samples)
+    return out, species
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    model_argv = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--molecule", default="CH3CH2OH", help="an ASE molecule name (default CH3CH2OH, ethanol)")
+    p.add_argument("--batch-size", type=int, default=cli.TRAINING_DEFAULTS["batch_size"])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--steps", type=int, default=10, help="steps per turn")
+    p.add_argument("--repeats", type=int, default=5, help="turns of each setting")
+    p.add_argument("--quick", action="store_true", help="a smoke run: 2 steps, 1 turn")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "train_step.json"))
+    args = p.parse_args(argv)
+    model = opt.ArgumentParser("the training command's model options")
+    opt.add_model_options(model, avg_num_neighbors="auto", defaults=cli.MODEL_DEFAULTS)
+    args.model = model.parse_args(model_argv)
+    if args.quick:
+        args.steps, args.repeats = 2, 1
+    return args
+
+
+def _median_seconds(fn, items) -> float:
+    times = []
+    for item in items:
+        start = time.perf_counter()
+        fn(item)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    groups, species = batches(args.molecule, args.batch_size, args.steps + 1, args.model.max_radius)
+    if args.model.avg_num_neighbors == "auto":
+        args.model.avg_num_neighbors = mean_neighbors([s for group in groups for s in group])
+    model = build_model(args.model, len(species))
+    units = {"species": species, "energy_references": [0.0] * len(species), "energy_scale": 1.0}
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    data = [collate(group) for group in groups]
+    frozen = build_model(args.model, len(species)).requires_grad_(False)
+    frozen.load_state_dict(model.state_dict())
+
+    def train_step(batch):
+        loss = loss_fn(predict(model, batch, units, create_graph=True), batch, units, force_weight=10.0)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    def call(batch):
+        attr = torch.nn.functional.one_hot(batch["species"], len(species)).to(batch["pos"].dtype)
+        energy_and_forces(frozen, batch["pos"], batch=batch["batch"], node_attr=attr, edge_index=batch["edge_index"])
+
+    for setting in SETTINGS:  # warm up: the kernels' compilation, the caches
+        with geometry(setting):
+            train_step(data[0])
+            call(data[0])
+    times: Dict[str, Dict[str, List[float]]] = {s: {"step": [], "call": []} for s in SETTINGS}
+    for _ in range(args.repeats):
+        for setting in SETTINGS:
+            with geometry(setting):
+                times[setting]["step"].append(_median_seconds(train_step, data[1:]))
+                times[setting]["call"].append(_median_seconds(call, data[1:]))
+    result = {s: {k: statistics.median(v) for k, v in times[s].items()} for s in SETTINGS}
+    ratios = {k: statistics.median(a / b for a, b in zip(times["per-layer"][k], times["shared"][k]))
+              for k in ("step", "call")}
+    atoms, edges = int(data[1]["pos"].shape[0]), int(data[1]["edge_index"].shape[1])
+    print(f"{args.molecule} x {args.batch_size} ({atoms} atoms, {edges} edges), {args.threads} thread(s), "
+          f"{cpu_name()}, torch {torch.__version__}")
+    print("| geometry | force-training step (ms) | energy + forces, frozen (ms) |")
+    print("|---|---|---|")
+    for s in SETTINGS:
+        print(f"| {s} | {1e3 * result[s]['step']:.1f} | {1e3 * result[s]['call']:.2f} |")
+    print(f"| speed-up of sharing (per-layer / shared, median of turns) | {ratios['step']:.2f}x | {ratios['call']:.2f}x |")
+    report = {"meta": {"machine": cpu_name(), "python": platform.python_version(), "torch": torch.__version__,
+                       "threads": args.threads, "molecule": args.molecule, "batch_size": args.batch_size,
+                       "atoms": atoms, "edges": edges, "steps": args.steps, "repeats": args.repeats,
+                       "model": {k: v for k, v in vars(args.model).items()}},
+              "seconds": times, "median_seconds": result, "speedup": ratios}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
