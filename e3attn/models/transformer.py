@@ -94,7 +94,8 @@ class EquivariantTransformer(torch.nn.Module):
 
     :math:`W` are equivariant linear maps (:class:`~e3attn.linear.IrrepsLinear`),
     :math:`\mathrm{Attn}^{(t)}` an :class:`~e3attn.EquivariantAttention` from
-    ``irreps_hidden`` to the gate's input, :math:`\mathrm{Gate}` a gated
+    ``irreps_hidden`` to the gate's input (the edges' harmonics and length embeddings computed once for all the
+    blocks, :func:`~e3attn.edge_geometry.shared_edge_geometry`), :math:`\mathrm{Gate}` a gated
     nonlinearity (:class:`~e3attn.models.Gate`) and :math:`\mathrm{LN}` an
     :class:`~e3attn.models.EquivariantLayerNorm`. Every layer maps ``irreps_hidden`` to
     itself, so every layer has a residual connection. Odd outputs (e.g. ``0o``) need odd
