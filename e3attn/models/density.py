@@ -15,7 +15,6 @@ from ..scatter import scatter_sum
 __all__ = ["NeighbourDensity"]
 
 
-
 class NeighbourDensity(torch.nn.Module):
     r"""Learned, species-aware neighbour densities: invariant sums over the edges, not normalised by their number.
 
