@@ -43,7 +43,7 @@ from .backends import backend
 from .cpu import _array, _forward_groups
 from .layout import component_major_paths, layout_for, padded_paths
 from .remembered import checked, remember
-from .segment_checks import check_segments, check_shape, common_dtype, node_arguments
+from .segment_checks import check_shape, common_dtype, node_arguments
 from .threads import groups_for, parallel, reduction_groups
 
 __all__ = ["call", "node_expand", "node_outer", "path_features", "path_features_backward"]
