@@ -75,8 +75,9 @@ def check_floating(x: torch.Tensor, name: str) -> None:
 
 
 def check_dtype(x: torch.Tensor, name: str, expected: torch.dtype, owner: str = "the module") -> None:
-    """``x`` must have the dtype ``expected`` of ``owner`` (e.g. "the layer", whose parameters have it)."""
-    if x.dtype != expected:
+    """``x`` must have the dtype ``expected`` of ``owner`` (e.g. "the layer", whose parameters have it), or, under
+    ``torch.autocast`` on its device, any floating dtype (the autocast's outputs feed modules of the model's dtype)."""
+    if x.dtype != expected and not (x.is_floating_point() and torch.is_autocast_enabled(x.device.type)):
         raise ValueError(
             f"{name} has dtype {x.dtype}, expected {expected} (the dtype of {owner}): "
             f"convert {name} with .to({expected}) or {owner} with .to({x.dtype})"

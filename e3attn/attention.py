@@ -242,7 +242,8 @@ class EquivariantAttention(torch.nn.Module):
         return num_nodes
 
     def _check_geometry(self, geometry: Geometry, num_edges: int) -> None:
-        """``geometry`` must be ``(Y [E, sh], p [E, first layer], r [E])`` in the layer's dtype."""
+        """``geometry`` must be ``(Y [E, sh], p [E, first layer], r [E])`` (in any floating dtype: under autocast
+        it is that of the autocast)."""
         widths = ((self.sh.lmax + 1) ** 2, self.radial.weight1.shape[1])
         if not (isinstance(geometry, (tuple, list)) and len(geometry) == 3
                 and all(isinstance(t, torch.Tensor) for t in geometry)):
@@ -251,8 +252,6 @@ class EquivariantAttention(torch.nn.Module):
         if [tuple(t.shape) for t in geometry] != expected:
             raise ValueError(f"geometry must have the shapes {expected} for {num_edges} edges, "
                              f"got {[tuple(t.shape) for t in geometry]}")
-        for name, t in zip(("Y", "p", "r"), geometry):
-            check_dtype(t, f"geometry's {name}", self.radial.weight1.dtype, "the layer")
 
     def _attention_weights(self, logits: torch.Tensor, dst: torch.Tensor, num_nodes: int,
                            rowptr: Optional[torch.Tensor] = None):

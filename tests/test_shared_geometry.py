@@ -111,8 +111,6 @@ def test_geometry_that_does_not_fit_is_refused(float64_default):
         attention(f, pos, edge_index, geometry=(sh, pre[:, 1:], r))
     with pytest.raises(ValueError, match="geometry must be a tuple"):
         attention(f, pos, edge_index, geometry=(sh, pre))
-    with pytest.raises(ValueError, match="geometry's p"):
-        attention(f, pos, edge_index, geometry=(sh, pre.float(), r))
     with pytest.raises(ValueError, match="geometry must hold p"):
         density(f, edge_index, edge_vec, (sh, pre, r))  # the attention's first layer, not the density's
     other = EquivariantAttention("6x0e + 2x1o + 2x2e", "2x0e", "2x0e", "2x0e", 1.6, lmax=1, basis="bessel")
@@ -134,3 +132,23 @@ def test_geometry_given_to_the_layer_equals_its_own(float64_default):
     out2, alpha2 = layer(f, pos, edge_index, edge_vec=edge_vec, return_attention=True)
     torch.testing.assert_close(out, out2, atol=1e-13, rtol=0)
     torch.testing.assert_close(alpha, alpha2, atol=1e-13, rtol=0)
+
+
+def test_model_under_autocast_unchanged_by_sharing(monkeypatch):
+    """Under bfloat16 autocast the geometry and the density channels' outputs come out in bfloat16 (the weights
+    stay float32): accepted (``--amp``), the forces those of every layer's own geometry and of float32 to bfloat16's
+    resolution."""
+    model = _model().float()
+    pos, node_attr, edge_index = (t.float() if t.is_floating_point() else t for t in _inputs())
+
+    def forces():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return energy_and_forces(model, pos, node_attr=node_attr, edge_index=edge_index)[1].float()
+
+    shared = forces()
+    exact = energy_and_forces(model, pos, node_attr=node_attr, edge_index=edge_index)[1]
+    _own(monkeypatch)
+    own = forces()
+    assert torch.isfinite(shared).all()
+    torch.testing.assert_close(shared, own, atol=3e-2 * own.abs().max().item(), rtol=0)
+    torch.testing.assert_close(shared, exact, atol=6e-2 * exact.abs().max().item(), rtol=0)  # bfloat16: 8 bits
