@@ -102,11 +102,12 @@ class NeighbourDensity(torch.nn.Module):
         check_dtype(edge_vec, "edge_vec", self.radial.weight1.dtype, "the module")
         if geometry is None:
             geometry = edge_geometry(edge_vec, self.radial.input_layer(), SCALARS, self.embedding, self._plain_geometry)
+        else:  # computed elsewhere: it must fit (what the module computes itself does)
+            width = self.radial.weight1.shape[1]
+            if geometry[1].shape != (src.shape[0], width) or geometry[2].shape != (src.shape[0],):
+                raise ValueError(f"geometry must hold p [{src.shape[0]}, {width}] and r [{src.shape[0]}] for the "
+                                 f"edges, got {list(geometry[1].shape)} and {list(geometry[2].shape)}")
         _, pre, r = geometry
-        width = self.radial.weight1.shape[1]
-        if pre.shape != (src.shape[0], width) or r.shape != (src.shape[0],):
-            raise ValueError(f"geometry must hold p [{src.shape[0]}, {width}] and r [{src.shape[0]}] for the edges, "
-                             f"got {list(pre.shape)} and {list(r.shape)}")
         radial = self.radial.activate(pre)[0] @ self.radial.output_layers()[0]
         weight = radial * (cutoff_weight(r, self.max_radius) / self.avg_num_neighbors)[:, None]
         return scatter_sum(weight * self.source(f).index_select(0, src), dst, num_nodes)
