@@ -154,9 +154,9 @@ def _path_work(x: torch.Tensor, sh: torch.Tensor, structure: tuple, paths: int) 
 def _path_features(spec: str, x: torch.Tensor, index: torch.Tensor, sh: torch.Tensor) -> torch.Tensor:
     """:math:`P(x_{\\mathrm{index}}, Y)` ``[E, paths]`` of the product named by ``spec``."""
     if _path_arguments(spec, x, index, sh):
-        from . import segments_triton  # imports triton: only where it runs
+        from . import paths_triton  # imports triton: only where it runs
 
-        return segments_triton.path_features(spec, x, index, sh, padded_paths(layout_for(spec).num_paths))
+        return paths_triton.path_features(spec, x, index, sh, padded_paths(layout_for(spec).num_paths))
     data, structure, paths = _path_structure(spec, x, index, sh)
     out, work = sh.new_empty(sh.shape[0], paths), _path_work(x, sh, structure, paths)
     groups = groups_for(work, _forward_groups(sh.shape[0], _TILE))
@@ -177,9 +177,9 @@ def _path_features_backward(spec: str, x: torch.Tensor, index: torch.Tensor, sh:
     check_shape("grad", grad, (sh.shape[0], padded_paths(layout_for(spec).num_paths)), sh.device)
     common_dtype(x=x, grad=grad)
     if on_triton:
-        from . import segments_triton  # imports triton: only where it runs
+        from . import paths_triton  # imports triton: only where it runs
 
-        return segments_triton.path_features_backward(spec, x, index, sh, grad, needs)
+        return paths_triton.path_features_backward(spec, x, index, sh, grad, needs)
     data, structure, paths = _path_structure(spec, x, index, sh)
     gx_edges, gsh = x.new_empty(sh.shape[0], x.shape[1]), sh.new_empty(sh.shape)
     work = 2 * _path_work(x, sh, structure, paths)
