@@ -45,6 +45,7 @@ import molecules  # noqa: E402
 from dense_vs_sparse import CLOCKS, cpu_name, sync  # noqa: E402
 
 from e3attn.calculator import DEFAULT_SKIN, E3AttnCalculator  # noqa: E402
+from e3attn.graph import radius_graph_pbc  # noqa: E402
 
 LATTICE = 3.61  # fcc copper, Angstrom
 AMPLITUDE = 0.1  # Angstrom
@@ -100,7 +101,7 @@ def measure_e3attn(num_atoms: int, model: torch.nn.Module, args) -> dict:
     for label, skin in (("skin", args.skin), ("no skin", 0.0)):
         atoms = crystal.copy()
         atoms.calc = E3AttnCalculator(model, list(molecules.SPECIES), device=args.device, dtype=DTYPES[args.dtype],
-                                      skin=skin)
+                                      skin=skin, cuda_graphs=args.cuda_graphs and skin > 0)
         runs[label] = {"atoms": atoms, "t": 0}
 
     def run_steps(label: str, k: int) -> None:
@@ -119,6 +120,7 @@ def measure_e3attn(num_atoms: int, model: torch.nn.Module, args) -> dict:
         "skin_s": seconds["skin"],
         "no_skin_s": seconds["no skin"],
         "searches_per_call": skin.neighbour_list.builds / runs["skin"]["t"],
+        "replays_per_call": skin._replayed.replays / runs["skin"]["t"] if skin._replayed is not None else 0.0,
     }
 
 
@@ -126,7 +128,7 @@ def _edges(calc: E3AttnCalculator, atoms) -> int:
     """The edges within the cutoff at the atoms' current positions."""
     lattice = torch.as_tensor(atoms.cell.array, dtype=calc.dtype, device=calc.device)
     pos = torch.as_tensor(atoms.positions, dtype=calc.dtype, device=calc.device)
-    return int(calc.neighbour_list(atoms.positions, atoms.cell.array, atoms.pbc, pos, lattice)[0].shape[1])
+    return int(radius_graph_pbc(pos, lattice, torch.as_tensor(atoms.pbc), calc.max_radius)[0].shape[1])
 
 
 # ------------------------------------------------------------------ MACE, in its own Python
@@ -209,6 +211,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="wall time, or the process's CPU time (less disturbed by other tenants of the CPU; "
                         "with 1 thread on the CPU only)")
     p.add_argument("--skin", type=_common.non_negative_float, default=DEFAULT_SKIN, help="the skin in Angstrom")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="the calculator with the skin replays its call as a CUDA graph between searches (CUDA only)")
     p.add_argument("--calls", type=_common.positive_int, default=10, help="steps per timed turn")
     p.add_argument("--repeats", type=_common.positive_int, default=7, help="timed turns of each calculator")
     p.add_argument("--warmup", type=_common.positive_int, default=5, help="untimed steps first")
@@ -224,6 +228,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.sizes = [32, 108] if args.quick else [108, 864, 4000, 16384]
     if args.clock == "cpu" and (args.threads > 1 or args.device != "cpu"):
         p.error("--clock cpu measures one thread on the CPU: use it with --threads 1 --device cpu")
+    if args.cuda_graphs and not args.device.startswith("cuda"):
+        p.error("--cuda-graphs needs a CUDA --device")
     if args.mace and not args.mace_python:
         p.error("--mace needs --mace-python PATH (a Python with mace-torch, see benchmarks/README.md)")
     for n in args.sizes:
@@ -264,12 +270,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         for row in rows:
             row["mace_s"] = mace.get(row["atoms"])
     meta = {"host": platform.node(), "cpu": cpu_name(), "device": args.device, "threads": args.threads,
-            "dtype": args.dtype, "skin": args.skin, "clock": args.clock, "load_average": _load_average(), "torch": torch.__version__, "command": " ".join(sys.argv)}
+            "dtype": args.dtype, "skin": args.skin, "cuda_graphs": args.cuda_graphs, "clock": args.clock, "load_average": _load_average(), "torch": torch.__version__, "command": " ".join(sys.argv)}
     if args.device.startswith("cuda"):
         meta["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
     report = {"meta": meta, "results": rows}
-    print(f"{meta['cpu']} ({meta['host']}), {args.device}, {args.threads} thread(s), {args.dtype}, skin {args.skin} A, "
-          f"{args.clock} clock, load average {meta['load_average']}")
+    graphs = ", CUDA graphs" if args.cuda_graphs else ""
+    print(f"{meta['cpu']} ({meta['host']}), {args.device}, {args.threads} thread(s), {args.dtype}, skin {args.skin} A"
+          f"{graphs}, {args.clock} clock, load average {meta['load_average']}")
     print(format_table(rows))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))

@@ -37,11 +37,16 @@ class VerletList:
     :math:`x_s - x_d + S C` unchanged. The jump :math:`n_i` is the rounded fractional displacement,
     exact while atoms move less than half a cell between calls.
 
-    With ``skin=0`` every call with moved atoms searches anew (no candidates to filter).
+    With ``skin=0`` every call with moved atoms searches anew (no candidates to filter). With ``prune=False``
+    the calls return the candidates themselves, edges up to :math:`r_\mathrm{max} + \delta` long, the same
+    tensors until the next search (wrapped atoms update the shifts in place): for a model whose edges beyond
+    :math:`r_\mathrm{max}` contribute zero, a graph of fixed size between searches, with no filter (and no
+    read of its size on the host) per call.
 
     Args:
         r_max: the cutoff, a positive number.
         skin: the skin :math:`\delta \ge 0`, in the units of the positions.
+        prune: whether each call keeps only the candidates closer than ``r_max`` (the default).
 
     Example::
 
@@ -58,8 +63,8 @@ class VerletList:
         ([[1, 0], [0, 1]], 2)
     """
 
-    def __init__(self, r_max: float, skin: float) -> None:
-        self.r_max, self.skin = float(r_max), float(skin)
+    def __init__(self, r_max: float, skin: float, prune: bool = True) -> None:
+        self.r_max, self.skin, self.prune = float(r_max), float(skin), bool(prune)
         self.builds = 0  #: the number of searches so far
         self._key: Optional[tuple] = None
         self._reference = np.zeros((0, 3))  # positions at the build, moved along with wrapped atoms
@@ -82,7 +87,7 @@ class VerletList:
             self._build(positions, cell, pbc, pos, lattice)
             self._key = key
         edge_index, shifts = self._candidates
-        if self.skin == 0:
+        if self.skin == 0 or not self.prune:
             return edge_index, shifts
         vec = pos[edge_index[0]] - pos[edge_index[1]] + shifts @ lattice
         keep = ((vec * vec).sum(1) < self.r_max**2).nonzero()[:, 0]
@@ -100,8 +105,7 @@ class VerletList:
                 self._reference = self._reference + jumps @ cell
                 edge_index, shifts = self._candidates
                 jumps = torch.as_tensor(jumps, dtype=shifts.dtype, device=shifts.device)
-                shifts = shifts - jumps[edge_index[0]] + jumps[edge_index[1]]
-                self._candidates = (edge_index, shifts)
+                shifts.sub_(jumps[edge_index[0]] - jumps[edge_index[1]])  # in place: the same tensor until a search
         largest = float(np.einsum("ij,ij->i", moved, moved).max(initial=0.0))
         return largest <= (0.5 * self.skin) ** 2  # False for NaN too
 

@@ -42,6 +42,7 @@ except ImportError as error:  # pragma: no cover - exercised only without ASE
     raise ImportError("e3attn.calculator needs ASE: pip install ase (or pip install 'e3attn[examples]')") from error
 
 from ._checks import check_real, values_checked_by_caller
+from ._cuda_graph import ReplayedCall
 from ._verlet import VerletList
 from .models.checkpoint import load_checkpoint
 from .models.energy import energy_and_forces, energy_forces_stress
@@ -158,6 +159,13 @@ class E3AttnCalculator(Calculator):
         skin: the skin :math:`\delta` of the neighbour list in Å, a non-negative number (default
             0.5, ``DEFAULT_SKIN``: a 300 K metal's atoms need tens of 1 fs steps or more to move
             :math:`\delta / 2`); 0 searches anew for every configuration.
+        cuda_graphs: on a CUDA device, record the call as a CUDA graph after each search of the neighbour list
+            and replay it until the next (``e3attn._cuda_graph.ReplayedCall``): one launch per MD step instead
+            of hundreds. The model then sees every candidate edge of the list, up to ``r_max + skin`` (the
+            edges beyond ``r_max`` contribute exactly zero: the cutoff vanishes there), so that the edges keep
+            their number between searches. Results equal the eager call's to rounding. Opt-in (default
+            False); ignored on other devices and with ``skin=0``. A call that cannot be recorded warns once
+            and stays eager.
 
     Attributes:
         neighbour_list: the Verlet list (``e3attn._verlet.VerletList``); its ``builds`` counts the searches.
@@ -188,6 +196,7 @@ class E3AttnCalculator(Calculator):
         device: Optional[Union[str, torch.device]] = None,
         dtype: Optional[torch.dtype] = None,
         skin: float = DEFAULT_SKIN,
+        cuda_graphs: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(model, torch.nn.Module):
@@ -220,7 +229,11 @@ class E3AttnCalculator(Calculator):
         self._index = np.full(len(chemical_symbols), -1)
         self._index[numbers] = np.arange(len(numbers))
         skin = check_real(skin, "skin", "a non-negative finite number (in Angstrom)", lambda x: 0 <= x < math.inf)
-        self.neighbour_list = VerletList(self.max_radius, skin)
+        if not isinstance(cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be a bool, got {cuda_graphs!r}")
+        replay = cuda_graphs and self.device.type == "cuda" and skin > 0
+        self._replayed = ReplayedCall() if replay else None
+        self.neighbour_list = VerletList(self.max_radius, skin, prune=not replay)
         self._elements: tuple = (None, None)  # the atomic numbers of the last call, and their one-hot tensor
 
     @classmethod
@@ -231,10 +244,11 @@ class E3AttnCalculator(Calculator):
         device: Optional[Union[str, torch.device]] = None,
         dtype: Optional[torch.dtype] = None,
         skin: float = DEFAULT_SKIN,
+        cuda_graphs: bool = False,
     ) -> "E3AttnCalculator":
         r"""The calculator of a checkpoint in the format above (model, ``species``, ``energy_references``,
         ``energy_scale``), its model on ``device`` (default CPU) in ``dtype`` (default: as saved), with the
-        neighbour list's ``skin``.
+        neighbour list's ``skin`` and ``cuda_graphs`` (see the class).
 
         .. math:: \text{calculator} = \mathrm{E3AttnCalculator}(\text{model}, \text{extra}[\texttt{species}], \dots)
 
@@ -261,6 +275,7 @@ class E3AttnCalculator(Calculator):
         return cls(
             model, extra["species"], energy_references=extra.get("energy_references"),
             energy_scale=extra.get("energy_scale", 1.0), device=device, dtype=dtype, skin=skin,
+            cuda_graphs=cuda_graphs,
         )
 
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes) -> None:
@@ -277,6 +292,20 @@ class E3AttnCalculator(Calculator):
         forces, stress = np.zeros((len(atoms), 3)), np.zeros((3, 3))
         if len(atoms) > 0:
             edge_index, shifts = self.neighbour_list(positions, lattice, atoms.pbc, pos, cell)
+            values = self._values(pos, cell, node_attr, edge_index, shifts, has_volume)
+            values = self.energy_scale * values.double().cpu().numpy()
+            energy += float(values[0])
+            forces, stress = values[1:-9].reshape(-1, 3), values[-9:].reshape(3, 3)
+        self.results = {"energy": energy, "free_energy": energy, "forces": forces}
+        if has_volume:
+            self.results["stress"] = stress.flat[[0, 4, 8, 5, 2, 1]]
+
+    def _values(self, pos: torch.Tensor, cell: torch.Tensor, node_attr: torch.Tensor, edge_index: torch.Tensor,
+                shifts: torch.Tensor, has_volume: bool) -> torch.Tensor:
+        """``[energy, forces..., stress (9)]`` in the model's units, as one tensor (one copy from the device),
+        replayed from a CUDA graph while the edges stay the same (``cuda_graphs``)."""
+
+        def call(pos: torch.Tensor, cell: torch.Tensor) -> torch.Tensor:
             graph = dict(node_attr=node_attr, edge_index=edge_index, shifts=shifts, create_graph=False)
             # finite positions (the search), edges and attributes: made here; no gradients of the weights
             with values_checked_by_caller(), _frozen(self._parameters_list):
@@ -285,14 +314,11 @@ class E3AttnCalculator(Calculator):
                 else:
                     out, f = energy_and_forces(self.model, pos, cell=cell, **graph)
                     s = f.new_zeros(1, 3, 3)
-            # energy, forces and stress in one copy from the device (one synchronisation)
-            values = torch.cat([out.detach()[:1], f.detach().reshape(-1), s.detach()[0].reshape(-1)])
-            values = self.energy_scale * values.double().cpu().numpy()
-            energy += float(values[0])
-            forces, stress = values[1:-9].reshape(-1, 3), values[-9:].reshape(3, 3)
-        self.results = {"energy": energy, "free_energy": energy, "forces": forces}
-        if has_volume:
-            self.results["stress"] = stress.flat[[0, 4, 8, 5, 2, 1]]
+            return torch.cat([out.detach()[:1], f.detach().reshape(-1), s.detach()[0].reshape(-1)])
+
+        if self._replayed is None:
+            return call(pos, cell)
+        return self._replayed(call, (pos, cell), key=(edge_index, shifts, node_attr, has_volume))
 
     def _elements_of(self, numbers: np.ndarray) -> Tuple[torch.Tensor, float]:
         """The one-hot node attributes of atoms with atomic ``numbers`` and the sum of their reference energies,

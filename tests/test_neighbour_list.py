@@ -56,12 +56,14 @@ STRUCTURES = {
 }
 
 
-@pytest.mark.parametrize("name", STRUCTURES)
-def test_dynamics_with_a_skin_equal_a_new_search_every_step_also_when_atoms_are_wrapped(model, name):
-    """40 steps at 2,000 K across several rebuilds, the atoms put back into the cell after every step."""
+@pytest.mark.parametrize("name, prune", [(name, True) for name in STRUCTURES] + [("triclinic", False)])
+def test_dynamics_with_a_skin_equal_a_new_search_every_step_also_when_atoms_are_wrapped(model, name, prune):
+    """40 steps at 2,000 K across several rebuilds, the atoms put back into the cell after every step; with
+    ``prune=False`` the model sees every candidate edge (as with ``cuda_graphs``)."""
     atoms = hot(STRUCTURES[name](), 2000)
     atoms.positions += 0.5 * atoms.cell.array.sum(0) * atoms.pbc  # half of them outside the cell
     calc = E3AttnCalculator(model, SPECIES, skin=0.3)
+    calc.neighbour_list = VerletList(calc.max_radius, 0.3, prune=prune)
     reference = E3AttnCalculator(model, SPECIES, skin=0.0)
     atoms.calc = calc
     wrapped = []
@@ -141,6 +143,49 @@ def test_wrapping_and_whole_lattice_translations_need_no_new_search():
         edges = verlet(moved, cell, pbc, torch.as_tensor(moved), torch.as_tensor(cell))
         assert edge_set(*edges, moved) == edge_set(*search(moved, 2.0), moved)
     assert verlet.builds == 1
+
+
+def test_without_pruning_the_candidates_are_the_same_tensors_until_the_next_search():
+    verlet = VerletList(2.0, skin=0.4, prune=False)
+    rng = np.random.default_rng(2)
+    cell, pbc = 5.0 * np.eye(3), np.array([True, True, True])
+    positions = rng.uniform(0, 5, (16, 3))
+    first = verlet(positions, cell, pbc, torch.as_tensor(positions), torch.as_tensor(cell))
+    moved = positions + 0.05
+    again = verlet(moved, cell, pbc, torch.as_tensor(moved), torch.as_tensor(cell))
+    assert again[0] is first[0] and again[1] is first[1] and verlet.builds == 1
+    within = radius_graph_pbc(torch.as_tensor(moved), torch.as_tensor(cell), pbc, 2.0)[0]
+    assert within.shape[1] < again[0].shape[1]  # candidates beyond r_max too
+    assert set(map(tuple, within.T.tolist())) <= set(map(tuple, again[0].T.tolist()))
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_cuda_graphs_must_be_a_bool_and_stay_off_on_the_cpu(model, value):
+    with pytest.raises(ValueError, match="cuda_graphs must be a bool"):
+        E3AttnCalculator(model, SPECIES, cuda_graphs=value)
+    calc = E3AttnCalculator(model, SPECIES, cuda_graphs=True)  # CPU: eager, the candidates pruned
+    assert calc._replayed is None and calc.neighbour_list.prune
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["triclinic", "slab"])
+def test_cuda_graphs_replay_the_eager_results_across_searches(model, name):
+    """MD on CUDA in float64: the replayed call equals the eager one (same device) at every step, across
+    searches and wrapped atoms, and most steps are replays."""
+    import copy
+
+    atoms = hot(STRUCTURES[name](), 600)
+    calc = E3AttnCalculator(copy.deepcopy(model), SPECIES, skin=0.3, device="cuda", cuda_graphs=True)
+    reference = E3AttnCalculator(copy.deepcopy(model), SPECIES, skin=0.3, device="cuda")
+    atoms.calc = calc
+    dynamics = VelocityVerlet(atoms, timestep=2.0 * fs)
+    dynamics.attach(lambda: (atoms.wrap(), assert_same_results(calc, reference, atoms)))
+    dynamics.run(30)
+    replayed = calc._replayed
+    assert replayed.failed is None
+    assert replayed.captures == calc.neighbour_list.builds >= 2  # recorded anew at each search only
+    assert replayed.replays > 2 * replayed.captures
 
 
 @pytest.mark.parametrize("skin", [-0.1, float("nan"), float("inf"), True, "0.5"])

@@ -193,8 +193,10 @@ def _strain_cells(cell, num_graphs: int, pos: torch.Tensor) -> Tuple[torch.Tenso
         cell = cell.expand(num_graphs, 3, 3)
     elif cell.shape[0] != num_graphs:
         raise ValueError(f"cell holds {cell.shape[0]} lattices but batch describes {num_graphs} graphs")
-    # in float32 at least: det has no half-precision kernel, and a volume of over 65504 overflows float16
-    volume = torch.linalg.det(cell.to(torch.promote_types(cell.dtype, torch.float32))).abs()
+    # in float32 at least (a volume of over 65504 overflows float16); the triple product, elementwise operations only
+    # (no factorisation: a CUDA graph can record it)
+    wide = cell.to(torch.promote_types(cell.dtype, torch.float32))
+    volume = (wide[:, 0] * torch.linalg.cross(wide[:, 1], wide[:, 2])).sum(-1).abs()
     if not _skip_values() and not bool((volume.detach() > 0).all()):  # (the calculator knows its cell's volume)
         raise ValueError("cell must have three linearly independent lattice vectors (a volume) for the stress")
     return cell, volume
