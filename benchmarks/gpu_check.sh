@@ -1,28 +1,50 @@
 #!/usr/bin/env bash
-# A short check on a lent GPU (the device tool) after changes: the CUDA tests, MD speed with and without the
-# Triton kernels, CUDA launches and synchronisations per MD call, the layer's force step by GPU time per operation
-# (benchmarks/results/gpu/layer_profile.log), and the training command on CUDA.
+# A short check on a lent GPU (the device tool) after changes, in about 5 minutes: the CUDA tests (the Triton
+# kernels, the calculator's CUDA graphs), MD speed (CUDA graphs with the plain formulation and with the Triton
+# kernels; the Triton kernels eager), the layer benchmark (guide and large, with the plain, Triton and
+# OpenEquivariance rows) and the layer's force step by GPU time per operation (profile.log).
 #
-#   bash benchmarks/gpu_check.sh            # there (carry .whl, prepared by benchmarks/gpu_round.sh prepare;
-#                                           # a small extended-XYZ file .whl/train.xyz for the training command)
+#   bash benchmarks/gpu_round.sh prepare    # here: the wheels the GPU machine lacks, into .whl/ (carry it)
+#   bash benchmarks/gpu_check.sh            # there; logs and JSON in $OUT (or benchmarks/results/gpu/)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/results/gpu}"
 mkdir -p "$out"
+exec > >(tee "$out/log.txt") 2>&1
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 1
-export PYTHONPATH="/tmp/site:$PWD"
-nvidia-smi --query-gpu=name --format=csv,noheader | tee "$out/gpu.txt"
-timeout 100 python3 -m pytest -q -x tests/test_triton.py tests/test_heads.py -m "cuda or not cuda" 2>&1 | tail -2
-timeout 100 python3 -m pytest -q tests -m cuda 2>&1 | tail -2
-timeout 80 python3 benchmarks/md_speed.py --device cuda --calls 5 --repeats 3 --out "$out/md_speed.json" 2>&1 | tail -6
-E3ATTN_CUDA_KERNELS=1 timeout 80 python3 benchmarks/md_speed.py --device cuda --calls 5 --repeats 3 \
-    --out "$out/md_speed_kernels.json" 2>&1 | tail -6
-timeout 80 python3 benchmarks/cuda_profile.py --atoms 108 864 > "$out/cuda_profile.log" 2>&1
-grep -E "^md " "$out/cuda_profile.log"
-timeout 100 python3 benchmarks/cuda_profile.py --atoms --layer guide:10000 large:10000 > "$out/layer_profile.log" 2>&1
-grep -E "^layer " "$out/layer_profile.log"
-if [ -f .whl/train.xyz ]; then
-    timeout 90 python3 -m e3attn.train --train-file .whl/train.xyz --energy-key REF_energy --forces-key REF_forces \
-        --valid-fraction 0.1 --time-budget 20 --device cuda --metrics "$out/train.json" --quiet 2>&1 | tail -3
-fi
+start=$(date +%s)
+step() { echo "== $(( $(date +%s) - start )) s: $*"; }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+oeq_src="$(ls -d .whl/oeq/openequivariance-*/ 2>/dev/null | head -1)"
+export PYTHONPATH="/tmp/site:$PWD:$PWD/${oeq_src}"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+# OpenEquivariance compiles its extension on first import (under 2 minutes): in the background, meanwhile the rest
+(python3 -c "import openequivariance" > /tmp/oeq_import.log 2>&1; echo "oeq import rc $?" >> /tmp/oeq_import.log) &
+oeq_pid=$!
+
+step tests
+timeout 120 python3 -m pytest -q tests/test_triton.py tests/test_neighbour_list.py tests/test_shared_geometry.py \
+    -m "cuda or not cuda" -p no:cacheprovider 2>&1 | tail -15
+timeout 60 python3 -m pytest -q tests -m cuda -p no:cacheprovider 2>&1 | tail -3
+
+step md
+md=(benchmarks/md_speed.py --device cuda --calls 5 --repeats 3)
+timeout 50 python3 "${md[@]}" --cuda-graphs --out "$out/md_graphs.json" 2>&1 | tail -7
+E3ATTN_CUDA_KERNELS=1 timeout 50 python3 "${md[@]}" --cuda-graphs --out /tmp/md_graphs_kernels.json 2>&1 | tail -7
+E3ATTN_CUDA_KERNELS=1 timeout 50 python3 "${md[@]}" --out /tmp/md_kernels.json 2>&1 | tail -7
+
+step layer; wait "$oeq_pid"; tail -1 /tmp/oeq_import.log
+peer=(--peer oeq)
+python3 -c "import openequivariance" 2>/dev/null || peer=()
+layer=(benchmarks/layer.py --device cuda --forces --plain --cuda-kernels "${peer[@]}" --repeats 5 --max-gb 60)
+timeout 110 python3 "${layer[@]}" --configs guide --sizes 1000 10000 100000 --out "$out/layer_guide.json" 2>&1 \
+    | grep -v -i "warn\|JIT\|TensorProduct\|^$"
+timeout 100 python3 "${layer[@]}" --configs large --sizes 1000 10000 --out "$out/layer_large.json" 2>&1 \
+    | grep -v -i "warn\|JIT\|TensorProduct\|^$"
+
+step profile
+timeout 60 python3 benchmarks/cuda_profile.py --atoms --layer guide:10000 large:10000 > "$out/profile.log" 2>&1
+grep -E "^layer " "$out/profile.log"
+step done
