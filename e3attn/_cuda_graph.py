@@ -48,10 +48,10 @@ class ReplayedCall:
             self.replays += 1
             return self._output
         self._graph = self._output = None  # the old recording and its memory pool are freed
-        self._inputs = []
+        self._inputs, self._key = [], ()
         if self.failed is not None:
             return fn(*inputs)
-        if self._stream is None:
+        if self._stream is None or self._stream.device != inputs[0].device:
             self._stream = torch.cuda.Stream(inputs[0].device)
         stream, current = self._stream, torch.cuda.current_stream(inputs[0].device)
         stream.wait_stream(current)

@@ -75,7 +75,8 @@ class VerletList:
         self, positions: np.ndarray, cell: np.ndarray, pbc: np.ndarray, pos: torch.Tensor, lattice: torch.Tensor
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(edge_index [2, E], shifts [E, 3])`` as :func:`~e3attn.radius_graph_pbc` gives them for ``r_max``
-        (up to pairs at :math:`r_\\mathrm{max}` within rounding), in the dtype and on the device of ``pos``.
+        (up to pairs at :math:`r_\\mathrm{max}` within rounding), in the dtype and on the device of ``pos``; with
+        ``prune=False`` every candidate, up to :math:`r_\\mathrm{max} + \\delta`.
 
         Args:
             positions: ``[N, 3]`` float64 positions, ``cell`` ``[3, 3]`` (rows: lattice vectors) and ``pbc``
@@ -105,7 +106,11 @@ class VerletList:
                 self._reference = self._reference + jumps @ cell
                 edge_index, shifts = self._candidates
                 jumps = torch.as_tensor(jumps, dtype=shifts.dtype, device=shifts.device)
-                shifts.sub_(jumps[edge_index[0]] - jumps[edge_index[1]])  # in place: the same tensor until a search
+                change = jumps[edge_index[0]] - jumps[edge_index[1]]
+                if self.prune:  # a new tensor: with skin=0 the last call returned the candidates themselves
+                    self._candidates = (edge_index, shifts - change)
+                else:  # in place: the same tensor until the next search (a recorded CUDA graph reads it)
+                    shifts.sub_(change)
         largest = float(np.einsum("ij,ij->i", moved, moved).max(initial=0.0))
         return largest <= (0.5 * self.skin) ** 2  # False for NaN too
 

@@ -165,7 +165,8 @@ class E3AttnCalculator(Calculator):
             edges beyond ``r_max`` contribute exactly zero: the cutoff vanishes there), so that the edges keep
             their number between searches. Results equal the eager call's to rounding. Opt-in (default
             False); ignored on other devices and with ``skin=0``. A call that cannot be recorded warns once
-            and stays eager.
+            and stays eager. A search records anew, so a cell that changes every step (a barostat) gains
+            nothing from it.
 
     Attributes:
         neighbour_list: the Verlet list (``e3attn._verlet.VerletList``); its ``builds`` counts the searches.

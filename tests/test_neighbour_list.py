@@ -159,6 +159,25 @@ def test_without_pruning_the_candidates_are_the_same_tensors_until_the_next_sear
     assert set(map(tuple, within.T.tolist())) <= set(map(tuple, again[0].T.tolist()))
 
 
+@pytest.mark.parametrize("skin, prune", [(0.0, True), (0.4, True), (0.4, False)])
+def test_a_wrapped_atom_changes_returned_shifts_only_without_pruning(skin, prune):
+    """An atom moved back by a lattice vector: the shifts already returned stay as they were, except the
+    candidates of ``prune=False``, which are updated in place (a recorded CUDA graph reads them)."""
+    verlet = VerletList(2.0, skin=skin, prune=prune)
+    cell, pbc = 5.0 * np.eye(3), np.array([True, True, True])
+    positions = np.array([[0.5, 0.5, 0.5], [1.5, 0.5, 0.5], [4.6, 0.5, 0.5]])
+    first = verlet(positions, cell, pbc, torch.as_tensor(positions), torch.as_tensor(cell))
+    kept = first[1].clone()
+    moved = positions.copy()
+    moved[2] -= cell[0]
+    again = verlet(moved, cell, pbc, torch.as_tensor(moved), torch.as_tensor(cell))
+    assert verlet.builds == 1
+    assert torch.equal(first[1], kept) == prune
+    vectors = [moved[e[0]] - moved[e[1]] + s @ cell for e, s in zip(again[0].T.numpy(), again[1].numpy())]
+    expected = [positions[e[0]] - positions[e[1]] + s @ cell for e, s in zip(first[0].T.numpy(), kept.numpy())]
+    np.testing.assert_allclose(np.sort(np.linalg.norm(vectors, axis=1)), np.sort(np.linalg.norm(expected, axis=1)))
+
+
 @pytest.mark.parametrize("value", [1, "yes", None])
 def test_cuda_graphs_must_be_a_bool_and_stay_off_on_the_cpu(model, value):
     with pytest.raises(ValueError, match="cuda_graphs must be a bool"):

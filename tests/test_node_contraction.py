@@ -66,6 +66,21 @@ def test_node_operators_equal_their_definitions(backend):
     assert torch.equal(o[[0, 3]], torch.zeros_like(o[[0, 3]]))  # no incoming edges: zero
 
 
+def test_node_outer_is_zero_where_no_block_reaches(backend):
+    """z and L entries that no block of the table uses (the operator allows them) get zero gradients."""
+    rowptr, _ = _graph()
+    y, a, z, lt = (t.detach() for t in _operands())
+    dims = DIMS[:3] + [DIMS[3] + 2, DIMS[4] + 4]
+    wide_z = torch.cat([z, torch.ones(z.shape[0], 2, dtype=z.dtype)], 1)
+    wide_lt = torch.cat([lt, torch.ones(4, dtype=lt.dtype)])
+    o, glt = segment_ops.node_outer(a, y, wide_lt, wide_z, BLOCKS, rowptr, dims)
+    ref_o, ref_glt = segment_ops.node_outer(a, y, lt, z, BLOCKS, rowptr, DIMS)
+    assert torch.equal(o[:, DIMS[3]:], torch.zeros_like(o[:, DIMS[3]:]))
+    assert torch.equal(glt[DIMS[4]:], torch.zeros(4, dtype=glt.dtype))
+    torch.testing.assert_close(o[:, :DIMS[3]], ref_o, atol=1e-13, rtol=0)
+    torch.testing.assert_close(glt[:DIMS[4]], ref_glt, atol=1e-13, rtol=0)
+
+
 def test_node_operators_with_hub_nodes_and_wide_blocks(backend):
     """Segments longer than a kernel's step of edges (a hub of 40 edges) and per-node matrices wider than its tiles
     (80 rows, 96 columns): every chunk of edges, rows and columns, against the definitions."""

@@ -81,7 +81,7 @@ def _node_pass(y, a, z, lt, blocks, rowptr, dims, needs) -> Tuple[torch.Tensor, 
     work = sum(needs) * num * dims[0] * dims[1] * dims[2]
     groups = reduction_groups(work, cpu.GROUPS) if need_g else _node_groups(rowptr, work)
     outs = (ref.new_empty(num if need_t else 0, dims[0] * dims[1]), ref.new_empty(num if need_r else 0, dims[2]),
-            ref.new_empty(rowptr.shape[0] - 1 if need_o else 0, dims[3]), ref.new_empty(groups if need_g else 0, dims[4]))
+            ref.new_zeros(rowptr.shape[0] - 1 if need_o else 0, dims[3]), ref.new_empty(groups if need_g else 0, dims[4]))
     arrays = (outs[0].view(-1).numpy(), outs[1].numpy(), outs[2].numpy(), outs[3].numpy())
     ptr, table_ = _array(rowptr), _array(blocks)
     parallel(lambda g: segments.node_pass(y_, a_, z_, lt_, table_, dims[0], dims[1], ptr, g, groups, *arrays), groups,

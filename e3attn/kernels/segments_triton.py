@@ -231,8 +231,8 @@ def _adjoints(u: torch.Tensor, lt: Optional[torch.Tensor], z: Optional[torch.Ten
     heads, hidden, _, zwidth, lsize = dims
     nodes = u.shape[0]
     plan = _plan(table, dims, u.device)
-    out = u.new_empty(nodes if lt is not None else 0, zwidth)  # the blocks cover z and L
-    glt = u.new_empty(lsize if z is not None else 0)
+    out = u.new_zeros(nodes if lt is not None else 0, zwidth)  # zero where no block is (as numba's)
+    glt = u.new_zeros(lsize if z is not None else 0)
     lbd = _head_matrices(lt, plan) if lt is not None else None
     for blk in plan.blocks:
         ub = _rows(u, blk)  # [N, 2l+1, K J]
