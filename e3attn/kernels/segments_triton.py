@@ -194,7 +194,7 @@ def _head_matrices(lt: torch.Tensor, plan: _Plan) -> torch.Tensor:
     return torch.cat([lt, lt.new_zeros(1)]).index_select(0, plan.index)
 
 
-def _views(plan: _Plan, blk: _Block, dims: List[int], lbd: Optional[torch.Tensor], z: Optional[torch.Tensor]):
+def _views(blk: _Block, dims: List[int], lbd: Optional[torch.Tensor], z: Optional[torch.Tensor]):
     """The block's ``Lb [heads width, kdim J]`` and ``z_b [N, heads width, 2l+1]`` (None where not given)."""
     heads, hidden = dims[:2]
     rows, cols = heads * blk.width, blk.kdim * heads * hidden
@@ -219,7 +219,7 @@ def _expand(z: torch.Tensor, lt: torch.Tensor, table: List[List[int]], dims: Lis
         q[:, start:stop] = 0.0
     lbd = _head_matrices(lt, plan)
     for blk in plan.blocks:  # batched over the components m: [N, heads width] @ Lb per m, into Q's rows in place
-        lb, zb = _views(plan, blk, dims, lbd, z)
+        lb, zb = _views(blk, dims, lbd, z)
         torch.bmm(zb.permute(2, 0, 1), lb.expand(blk.dim_l, -1, -1), out=_rows(q, blk).transpose(0, 1))
     return q
 
@@ -236,7 +236,7 @@ def _adjoints(u: torch.Tensor, lt: Optional[torch.Tensor], z: Optional[torch.Ten
     lbd = _head_matrices(lt, plan) if lt is not None else None
     for blk in plan.blocks:
         ub = _rows(u, blk)  # [N, 2l+1, K J]
-        lb, zb = _views(plan, blk, dims, lbd, z)
+        lb, zb = _views(blk, dims, lbd, z)
         rows = heads * blk.width
         if lt is not None:  # out[i, (a, w), m] = sum_(k, a', h) Lb[(a, w), (k, a', h)] U_i[m, (k, a', h)]
             r = torch.bmm(ub.transpose(0, 1), lb.t().expand(blk.dim_l, -1, -1))  # [2l+1, N, heads width]
