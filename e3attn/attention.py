@@ -341,10 +341,10 @@ class EquivariantAttention(torch.nn.Module):
             allowed = allowed & (batch[:, None] == batch[None, :])
         logits = logits.masked_fill(~allowed[:, :, None], float("-inf"))
         m = logits.detach().amax(dim=1, keepdim=True) if n > 0 else logits
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        m = torch.where(torch.isfinite(m), m, 0.0)
         numerator = (logits - m).exp()
         z = numerator.sum(dim=1, keepdim=True)
-        z = torch.where(z > 0, z, torch.ones_like(z))
+        z = torch.where(z > 0, z, 1.0)
         weight = numerator / z if self.aggregation == "alpha" else (0.5 * (logits - m)).exp() * z.rsqrt()
         weighted = scale_heads(v, weight.reshape(n * n, h), self._output_sizes)
         return weighted.reshape(n, n, weighted.shape[1]).sum(dim=1)

@@ -31,8 +31,7 @@ def log_soft_unit_step(x: torch.Tensor) -> torch.Tensor:
     0 or far above that).
     """
     positive = x > 0
-    safe = torch.where(positive, x, torch.ones_like(x))
-    return torch.where(positive, -1.0 / safe, torch.full_like(x, float("-inf")))
+    return torch.where(positive, -1.0 / torch.where(positive, x, 1.0), -math.inf)
 
 
 def soft_unit_step(x: torch.Tensor) -> torch.Tensor:
@@ -52,8 +51,7 @@ def soft_unit_step(x: torch.Tensor) -> torch.Tensor:
         tensor([0.0000, 0.0000, 0.3679])
     """
     on = x > _SOFT_STEP_FLOOR
-    safe = torch.where(on, x, torch.ones_like(x))
-    return torch.where(on, torch.exp(-1.0 / safe), torch.zeros_like(x))
+    return torch.where(on, torch.exp(-1.0 / torch.where(on, x, 1.0)), 0.0)
 
 
 def cutoff_weight(r: torch.Tensor, max_radius: float) -> torch.Tensor:
@@ -74,9 +72,9 @@ def cutoff_weight(r: torch.Tensor, max_radius: float) -> torch.Tensor:
 def _polynomial_envelope(d: torch.Tensor, p: int = _ENVELOPE_P) -> torch.Tensor:
     r"""DimeNet's polynomial envelope of :math:`d = r / r_\mathrm{max}`: 1 at 0, 0 with 2 derivatives at 1."""
     inside = d < 1
-    d = torch.where(inside, d, torch.zeros_like(d))
-    env = 1 - (p + 1) * (p + 2) / 2 * d**p + p * (p + 2) * d ** (p + 1) - p * (p + 1) / 2 * d ** (p + 2)
-    return torch.where(inside, env, torch.zeros_like(env))
+    d = d.clamp_max(1.0)  # finite in the branch not taken (and its zero gradient)
+    env = 1 + d**p * (d * (p * (p + 2) - p * (p + 1) // 2 * d) - (p + 1) * (p + 2) // 2)  # Horner's form
+    return torch.where(inside, env, 0.0)
 
 
 class RadialEmbedding(Float64ConstantsModule):
@@ -151,8 +149,8 @@ class RadialEmbedding(Float64ConstantsModule):
             d = (r[..., None] - centers) / self.step
             gap = 1 - d * d
             inside = gap > 0
-            gap = torch.where(inside, gap, torch.ones_like(gap))
-            out = torch.where(inside, (-2 / gap).exp(), torch.zeros_like(gap))
+            gap = torch.where(inside, gap, 1.0)
+            out = torch.where(inside, (-2 / gap).exp(), 0.0)
         elif self.basis == "gaussian":
             d = (r[..., None] - centers) / self.step
             out = torch.exp(-d.pow(2)) * _polynomial_envelope(r / self.max_radius)[..., None]

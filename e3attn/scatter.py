@@ -119,13 +119,13 @@ def segment_softmax(
         ``alpha`` with the shape of ``src``, or ``(alpha, sqrt_alpha)``.
     """
     m = scatter_max(src.detach(), index, num_segments, backend=backend)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    m = torch.where(torch.isfinite(m), m, 0.0)
     shifted = src - m.index_select(0, index)  # <= 0, -inf for excluded entries
     numerator = shifted.exp()
     z = scatter_sum(numerator, index, num_segments, backend=backend)
     # z >= 1 wherever a segment has a finite entry (its maximum contributes exp(0)),
     # and z == 0 only for segments with nothing to attend to, whose numerators are all 0.
-    z = torch.where(z > 0, z, torch.ones_like(z)).index_select(0, index)
+    z = torch.where(z > 0, z, 1.0).index_select(0, index)
     alpha = numerator / z
     if not return_sqrt:
         return alpha

@@ -77,6 +77,54 @@ def test_layer_norm_equals_loops():
     torch.testing.assert_close(norm(x), expected, atol=1e-12, rtol=0)
 
 
+def layer_norm_per_channel(x, irreps, weight, bias, eps):
+    """EquivariantLayerNorm channel by channel in differentiable operations (a reference for its derivatives)."""
+    even, other = [], []  # (columns, channel, l)
+    col = 0
+    for mul, ir in irreps:
+        for _ in range(mul):
+            (even if (ir.l, ir.p) == (0, 1) else other).append((x[:, col:col + ir.dim], len(even) + len(other), ir.l))
+            col += ir.dim
+    out = [None] * (len(even) + len(other))
+    if even:
+        values = torch.cat([v for v, _, _ in even], dim=1)
+        centred = values - values.mean(dim=1, keepdim=True)
+        scale = (centred.pow(2).mean(dim=1, keepdim=True) + eps).rsqrt()
+        for k, (_, c, _) in enumerate(even):
+            out[c] = (weight[c] if weight is not None else 1) * centred[:, k:k + 1] * scale \
+                + (bias[k] if bias is not None else 0)
+    if other:
+        rho2 = sum(v.pow(2).sum(dim=1) / (2 * l + 1) for v, _, l in other) / len(other)
+        for v, c, _ in other:
+            out[c] = (weight[c] if weight is not None else 1) * v * (rho2 + eps).rsqrt()[:, None]
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize("irreps", ["3x0e + 2x1o + 1x0o + 2x0e + 1x2e", "4x0e", "2x1o + 1x0o", "1x0e + 1x1o"])
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_first_and_second_derivatives_equal_a_per_channel_reference(irreps, affine):
+    irreps = o3.Irreps(irreps)
+    torch.manual_seed(1)
+    norm = EquivariantLayerNorm(irreps, eps=1e-2, affine=affine).double()
+    params = list(norm.parameters())
+    with torch.no_grad():
+        for p in params:
+            p.normal_()
+    x = torch.randn(5, irreps.dim, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(5, irreps.dim, dtype=torch.float64)
+
+    def derivatives(fn):
+        out = fn(x)
+        first = torch.autograd.grad((out * g).sum(), [x] + params, create_graph=True, materialize_grads=True)
+        # a force-training-like second derivative: of |d<out, g>/dx|^2 in x and the parameters
+        second = torch.autograd.grad(first[0].pow(2).sum(), [x] + params, materialize_grads=True)
+        return [out] + list(first) + list(second)
+
+    weight, bias = (norm.weight, norm.bias) if affine else (None, None)
+    for ours, ref in zip(derivatives(norm), derivatives(lambda t: layer_norm_per_channel(t, irreps, weight, bias, 1e-2))):
+        torch.testing.assert_close(ours, ref, atol=1e-11, rtol=1e-11)
+
+
 def test_layer_norm_equivariant_and_keeps_symmetry_zeros_small():
     irreps = o3.Irreps("4x0e + 2x0o + 3x1o + 2x1e + 2x2o")
     norm = EquivariantLayerNorm(irreps).double()

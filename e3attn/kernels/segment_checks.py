@@ -1,7 +1,7 @@
 r"""Checks of the node kernels' arguments (:mod:`e3attn.kernels.segment_ops`, :mod:`e3attn.kernels.softmax_ops`):
 the kernels index without bounds checks, so every shape, dtype, device and index table they read is checked here
 first, with an error naming the argument. Index tables are checked once per tensor and version
-(:mod:`e3attn.kernels.remembered`)."""
+(:mod:`e3attn._remembered`)."""
 from __future__ import annotations
 
 from typing import List, Optional, Tuple
@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from .cpu import _array
-from .remembered import checked, remember
+from .._remembered import checked, remember
 
 __all__ = ["check_blocks", "check_segments", "check_shape", "common_dtype", "node_arguments"]
 

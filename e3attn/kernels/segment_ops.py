@@ -42,7 +42,7 @@ from . import _plain_eager, cpu, segments
 from .backends import backend
 from .cpu import _array, _forward_groups
 from .layout import component_major_paths, layout_for, padded_paths
-from .remembered import checked, remember
+from .._remembered import checked, remember
 from .segment_checks import check_shape, common_dtype, node_arguments
 from .threads import groups_for, parallel, reduction_groups
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_dtype, check_positive
-from .._irreps import IrrepsLike, as_irreps, entries, split_entries
+from .._constants import Float64ConstantsModule
+from .._irreps import IrrepsLike, as_irreps, entries
 
 __all__ = ["EquivariantLayerNorm"]
 
 
-class EquivariantLayerNorm(torch.nn.Module):
+class EquivariantLayerNorm(Float64ConstantsModule):
     r"""Layer normalisation that commutes with O(3), one node at a time.
 
     The even scalars (every ``0e`` channel, :math:`u \in S`) of a node get an ordinary
@@ -55,11 +56,31 @@ class EquivariantLayerNorm(torch.nn.Module):
         super().__init__()
         self.irreps = as_irreps(irreps, "irreps")
         self.eps = check_positive(eps, "eps")
-        self._entries = entries(self.irreps)
         self._dim, self._text = self.irreps.dim, str(self.irreps)  # plain values for forward (torch.compile)
-        self._even = [(l, p) == (0, 1) for _, l, p in self._entries]
-        self._num_even = sum(mul for (mul, _, _), even in zip(self._entries, self._even) if even)
-        self._num_other = sum(mul for (mul, _, _), even in zip(self._entries, self._even) if not even)
+        channel, even, inverse_dim = [], [], []  # of every column
+        channels = 0
+        for mul, l, p in entries(self.irreps):
+            for _ in range(mul):
+                channel += [channels] * (2 * l + 1)
+                even += [(l, p) == (0, 1)] * (2 * l + 1)
+                inverse_dim += [1.0 / (2 * l + 1)] * (2 * l + 1)
+                channels += 1
+        even = torch.tensor(even, dtype=torch.float64)
+        self._num_even = int(even.sum())
+        self._num_other = channels - self._num_even
+        # The statistics as matrix products, a few operations whatever the irreps (and to differentiate twice):
+        # mu = x @ mean_of; (sigma^2, rho^2) = centred^2 @ moments; their factors back on the columns by @ spread.
+        stats = [(even, even / self._num_even)] if self._num_even else []
+        if self._num_other:
+            stats.append((1 - even, (1 - even) * torch.tensor(inverse_dim, dtype=torch.float64) / self._num_other))
+        self.register_constant("even", even)
+        self.register_constant("mean_of", even[:, None] / max(self._num_even, 1))
+        self.register_constant("moments", torch.stack([w for _, w in stats], 1).reshape(self._dim, len(stats)))
+        self.register_constant("spread", torch.stack([m for m, _ in stats]).reshape(len(stats), self._dim))
+        # the affine weights on the columns: weight @ weight_columns, bias @ bias_columns (zero on the others)
+        self.register_constant("weight_columns", torch.nn.functional.one_hot(torch.tensor(channel), channels).T)
+        rank = (torch.cumsum(even, 0) - 1).clamp_min(0).long()  # an even column's rank among the even columns
+        self.register_constant("bias_columns", torch.nn.functional.one_hot(rank, max(self._num_even, 1)).T * even)
         self.affine = affine
         if affine:
             self.weight = torch.nn.Parameter(torch.ones(self._num_even + self._num_other))
@@ -73,25 +94,13 @@ class EquivariantLayerNorm(torch.nn.Module):
             raise ValueError(f"x must have shape [N, {self._dim}] (irreps {self._text}), got {list(x.shape)}")
         if self.affine:
             check_dtype(x, "x", self.weight.dtype, "the module")
-        parts = split_entries(x, self._entries)
-        even = [part for part, is_even in zip(parts, self._even) if is_even]
-        other = [part for part, is_even in zip(parts, self._even) if not is_even]
-        if even:
-            scalars = torch.cat(even, dim=1)  # [N, |S|, 1]
-            mean = scalars.mean(dim=1, keepdim=True)
-            inv_std = torch.rsqrt((scalars - mean).pow(2).mean(dim=1, keepdim=True) + self.eps)
-        if other:
-            rho2 = sum(part.pow(2).mean(dim=2).sum(dim=1) for part in other) / self._num_other
-            inv_rho = torch.rsqrt(rho2 + self.eps)[:, None, None]
-        outs = []
-        channel = bias = 0
-        for part, (mul, _, _), is_even in zip(parts, self._entries, self._even):
-            part = (part - mean) * inv_std if is_even else part * inv_rho
-            if self.affine:
-                part = part * self.weight[channel : channel + mul, None]
-                if is_even:
-                    part = part + self.bias[bias : bias + mul, None]
-                    bias += mul
-            channel += mul
-            outs.append(part.flatten(1))
-        return torch.cat(outs, dim=1) if outs else x
+        if self._dim == 0:
+            return x
+        dtype = x.dtype
+        if self._num_even:
+            x = x - (x @ self.constant("mean_of", dtype)) * self.constant("even", dtype)
+        scale = torch.rsqrt((x * x) @ self.constant("moments", dtype) + self.eps) @ self.constant("spread", dtype)
+        if not self.affine:
+            return x * scale
+        x = x * (scale * (self.weight @ self.constant("weight_columns", dtype)))
+        return x + self.bias @ self.constant("bias_columns", dtype) if self._num_even else x
