@@ -22,7 +22,10 @@ split by phase: ``forward`` (for the energy, with the forces' first backward ins
 The layer's own kernels count as one operation each. A dispatch mode records the operations, so e3attn calls
 them through their registered operators rather than its eager shortcuts (the same kernels). With
 ``E3ATTN_KERNEL_BACKEND=triton`` (and ``E3ATTN_CUDA_KERNELS=1``) the CPU tensors take the GPU's code path, its
-Triton kernels in Triton's interpreter: the count of a CUDA step.
+Triton kernels in Triton's interpreter: the count of a CUDA step. Under the dispatch mode the CPU's eager-only
+kernels (the edge geometry and the softmax of :mod:`e3attn.kernels.geometry_ops` and
+:mod:`e3attn.kernels.softmax_ops`) step aside for the plain formulation, so without that variable the counts
+are those of the same code path with numba's node kernels: an upper bound of an eager CPU step.
 
 Usage::
 
