@@ -7,7 +7,7 @@ public entry points, before any internal operation, so a mismatch names the argu
 Checks of tensor *values* (finite positions, indices in range) need the data on the host (on a GPU, a
 wait for it); they are skipped while ``torch.compile`` traces, and inside :func:`values_checked_by_caller`
 (shapes and dtypes are still checked), see :func:`_skip_values`. A tensor that passed one is not checked again
-while it is unchanged (:mod:`e3attn._remembered`): the layers of a model check the same positions, edges and
+while it is unchanged (``e3attn._remembered``): the layers of a model check the same positions, edges and
 batch once per step, not once each.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _skip_values() -> bool:
 
 def _values_pass(t: torch.Tensor, key: Any, test: Callable[[], bool]) -> bool:
     """Whether the values of ``t`` pass ``test()``, the check named ``key``: run once per tensor and version
-    (:mod:`e3attn._remembered`), and never while values are not checked (:func:`_skip_values`)."""
+    (``e3attn._remembered``), and never while values are not checked (:func:`_skip_values`)."""
     if _skip_values() or checked(t, key):
         return True
     passed = bool(test())

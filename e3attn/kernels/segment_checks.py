@@ -1,7 +1,7 @@
 r"""Checks of the node kernels' arguments (:mod:`e3attn.kernels.segment_ops`, :mod:`e3attn.kernels.softmax_ops`):
 the kernels index without bounds checks, so every shape, dtype, device and index table they read is checked here
 first, with an error naming the argument. Index tables are checked once per tensor and version
-(:mod:`e3attn._remembered`)."""
+(``e3attn._remembered``)."""
 from __future__ import annotations
 
 from typing import List, Optional, Tuple
