@@ -9,6 +9,7 @@ import torch
 
 from ._checks import check_dtype, check_floating, check_int, check_positive
 from ._constants import Float64ConstantsModule
+from ._jet import jet
 
 __all__ = ["soft_unit_step", "log_soft_unit_step", "cutoff_weight", "RadialEmbedding", "RadialMLP"]
 
@@ -30,8 +31,19 @@ def log_soft_unit_step(x: torch.Tensor) -> torch.Tensor:
     :class:`~e3attn.EquivariantAttention` :math:`x = 10 (1 - r / r_\mathrm{max})` is either
     0 or far above that).
     """
+    return jet(x, _log_soft_unit_step, _log_soft_unit_step_derivatives)
+
+
+def _log_soft_unit_step(x: torch.Tensor) -> torch.Tensor:
     positive = x > 0
     return torch.where(positive, -1.0 / torch.where(positive, x, 1.0), -math.inf)
+
+
+def _log_soft_unit_step_derivatives(x: torch.Tensor, second: bool):
+    positive = x > 0
+    inv = 1.0 / torch.where(positive, x, 1.0)
+    square = torch.where(positive, inv * inv, 0.0)
+    return torch.where(positive, -inv, -math.inf), square, -2.0 * square * inv if second else None
 
 
 def soft_unit_step(x: torch.Tensor) -> torch.Tensor:
@@ -50,8 +62,21 @@ def soft_unit_step(x: torch.Tensor) -> torch.Tensor:
         >>> soft_unit_step(torch.tensor([-1.0, 0.0, 1.0]))
         tensor([0.0000, 0.0000, 0.3679])
     """
+    return jet(x, _soft_unit_step, _soft_unit_step_derivatives)
+
+
+def _soft_unit_step(x: torch.Tensor) -> torch.Tensor:
     on = x > _SOFT_STEP_FLOOR
     return torch.where(on, torch.exp(-1.0 / torch.where(on, x, 1.0)), 0.0)
+
+
+def _soft_unit_step_derivatives(x: torch.Tensor, second: bool):
+    """:math:`u`, :math:`u' = u / x^2` and :math:`u'' = u (1 - 2x) / x^4` (0 where :math:`u` is)."""
+    on = x > _SOFT_STEP_FLOOR
+    inv = 1.0 / torch.where(on, x, 1.0)
+    u = torch.where(on, torch.exp(-inv), 0.0)
+    first = u * inv * inv
+    return u, first, first * inv * (inv - 2.0) if second else None
 
 
 def cutoff_weight(r: torch.Tensor, max_radius: float) -> torch.Tensor:
@@ -75,6 +100,36 @@ def _polynomial_envelope(d: torch.Tensor, p: int = _ENVELOPE_P) -> torch.Tensor:
     d = d.clamp_max(1.0)  # finite in the branch not taken (and its zero gradient)
     env = 1 + d**p * (d * (p * (p + 2) - p * (p + 1) // 2 * d) - (p + 1) * (p + 2) // 2)  # Horner's form
     return torch.where(inside, env, 0.0)
+
+
+def _polynomial_envelope_derivatives(d: torch.Tensor, second: bool, p: int = _ENVELOPE_P):
+    """The envelope and its first two derivatives in :math:`d` (0 from :math:`d = 1` on)."""
+    a, b, c = (p + 1) * (p + 2) // 2, p * (p + 2), p * (p + 1) // 2
+    inside = d < 1
+    d = d.clamp_max(1.0)
+    low = d ** (p - 2)
+    values = [1 + low * d * d * (d * (b - c * d) - a), low * d * (d * ((p + 1) * b - (p + 2) * c * d) - p * a)]
+    if second:
+        values.append(low * (d * ((p + 1) * p * b - (p + 2) * (p + 1) * c * d) - p * (p - 1) * a))
+    return tuple(torch.where(inside, v, 0.0) for v in values) + ((None,) if not second else ())
+
+
+def _sinc_derivatives(t: torch.Tensor, second: bool):
+    """:math:`s(t) = \\sin(t) / t` and its first two derivatives, by their series where the formulas cancel."""
+    far = t.abs() > 1e-2
+    safe = torch.where(far, t, 1.0)
+    s = torch.sin(safe) / safe
+    first = (torch.cos(safe) - s) / safe
+    t2 = t * t
+    return (torch.where(far, s, 1 - t2 * (1 / 6 - t2 / 120)),
+            torch.where(far, first, t * (-1 / 3 + t2 * (1 / 30 - t2 / 840))),
+            torch.where(far, -s - 2.0 * first / safe, -1 / 3 + t2 * (1 / 10 - t2 / 168)) if second else None)
+
+
+def _product(f, g):
+    """A product and its derivatives (the second where the factors have theirs), from those of its factors."""
+    second = f[2] * g[0] + 2 * f[1] * g[1] + f[0] * g[2] if f[2] is not None else None
+    return f[0] * g[0], f[1] * g[0] + f[0] * g[1], second
 
 
 class RadialEmbedding(Float64ConstantsModule):
@@ -143,6 +198,35 @@ class RadialEmbedding(Float64ConstantsModule):
 
     def forward(self, r: torch.Tensor) -> torch.Tensor:
         check_floating(r, "r")
+        return jet(r, self._plain, self._derivatives)
+
+    def _derivatives(self, r: torch.Tensor, second: bool):
+        """The embedding and its first (and, if ``second``, second) derivative in :math:`r`, ``[...,
+        number_of_basis]`` each."""
+        centers, step, rmax = self.constant("centers", r.dtype), self.step, self.max_radius
+        d = (r[..., None] - centers) / step
+        if self.basis == "smooth_finite":  # exp(h), h = -2 / (1 - d^2)
+            gap = 1 - d * d
+            inside = gap > 0
+            inverse = 1.0 / torch.where(inside, gap, 1.0)
+            value = torch.where(inside, torch.exp(-2.0 * inverse), 0.0)
+            dh = -4.0 * d * inverse * inverse / step
+            d2h = (-4.0 - 16.0 * d * d * inverse) * inverse * inverse / step**2 if second else None
+            out = (value, value * dh, value * (dh * dh + d2h) if second else None)
+        else:  # a basis function times the envelope
+            env = _polynomial_envelope_derivatives(r / rmax, second)
+            envelope = (env[0][..., None], env[1][..., None] / rmax, env[2][..., None] / rmax**2 if second else None)
+            if self.basis == "gaussian":
+                value = torch.exp(-d * d)
+                basis = (value, -2.0 * d * value / step, (4.0 * d * d - 2.0) * value / step**2 if second else None)
+            else:  # c sinc(c r / rmax) = c s(t), t = omega r, omega = pi c / rmax
+                omega = math.pi * centers / rmax
+                s = _sinc_derivatives(omega * r[..., None], second)
+                basis = (centers * s[0], centers * omega * s[1], centers * omega * omega * s[2] if second else None)
+            out = _product(basis, envelope)
+        return tuple(v * self.scale if v is not None else None for v in out)
+
+    def _plain(self, r: torch.Tensor) -> torch.Tensor:
         centers = self.constant("centers", r.dtype)
         if self.basis == "smooth_finite":
             # u(d + 1) u(1 - d) = exp(-1/(1 + d) - 1/(1 - d)) = exp(-2 / (1 - d^2)) for |d| < 1, else 0

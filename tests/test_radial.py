@@ -99,3 +99,74 @@ def test_radial_mlp_pieces_compose_to_it():
     pieces = zip(mlp.activate(x @ mlp.input_layer(), normalise=False), mlp.output_layers(fold_activation_norm=True))
     for got, want in zip([h @ w for h, w in pieces], mlp(x)):
         torch.testing.assert_close(got, want, atol=1e-13, rtol=0)
+
+
+# ---------------------------------------------------------------- derivatives in closed form (e3attn._jet)
+
+
+def _three_derivatives(fn, x0, weights):
+    """``fn(x)``, the gradient of ``<w, fn(x)>`` with create_graph, its gradient again (a force-training step's
+    second derivative), and a third derivative (through the plain formula's fallback)."""
+    x = x0.clone().requires_grad_()
+    y = fn(x)
+    (g1,) = torch.autograd.grad((y * weights).sum(), x, create_graph=True)
+    (g2,) = torch.autograd.grad((g1 * g1).sum(), x, create_graph=True)
+    (g3,) = torch.autograd.grad(g2.sum(), x)
+    return y.detach(), g1.detach(), g2.detach(), g3
+
+
+def _radial_functions():
+    from e3attn import radial
+
+    lengths = torch.cat([torch.tensor([0.05, 1.0, 2.0 - 1e-6, 2.0, 2.5]), torch.linspace(0.05, 2.3, 97)])
+    steps = torch.cat([torch.tensor([-1.0, 0.0, 1e-4, 1 / 800, 1 / 800 + 1e-9]), torch.linspace(-0.5, 10.0, 97)])
+    for basis in RadialEmbedding.BASES:
+        emb = RadialEmbedding(8, 2.0, basis).double()
+        yield basis, emb, emb._plain, lengths.double()
+    yield "soft_unit_step", soft_unit_step, radial._soft_unit_step, steps.double()
+    yield "log_soft_unit_step", radial.log_soft_unit_step, radial._log_soft_unit_step, steps.double()
+
+
+@pytest.mark.parametrize("first_only", [False, True])
+def test_closed_form_derivatives_equal_the_plain_formulas(first_only):
+    """Values and first, second and third derivatives of the radial functions with their derivatives in closed
+    form equal those of their plain formulas (float64, special points included: r = 0 and beyond the cutoff,
+    the steps' floor and x <= 0), whether the second derivative was prepared or is computed when asked for."""
+    from e3attn._jet import first_derivatives_only
+
+    for name, fn, plain, x in _radial_functions():
+        weights = torch.randn(plain(x).shape, generator=torch.Generator().manual_seed(0), dtype=x.dtype)
+        with first_derivatives_only() if first_only else torch.enable_grad():
+            ours = _three_derivatives(fn, x, weights)
+        reference = _three_derivatives(plain, x, weights)
+        for k, (a, b) in enumerate(zip(ours, reference)):
+            finite = torch.isfinite(b)
+            assert torch.equal(torch.isfinite(a), finite), (name, k)
+            assert torch.equal(a[~finite], b[~finite]), (name, k)  # -inf of the log step, where it is
+            scale = b[finite].abs().max().clamp_min(1.0)
+            assert (a[finite] - b[finite]).abs().max() <= 1e-12 * scale, (name, k)
+
+
+def test_closed_form_bessel_derivatives_are_smooth_at_zero_length():
+    """At r -> 0 the plain formula's derivatives lose their digits (torch.sinc's own gradient: about 1e-6 off at
+    r = 1e-9, NaN second derivative at 0); the closed forms take sin(t)/t's series there and join smoothly."""
+    emb = RadialEmbedding(8, 2.0, "bessel").double()
+    r = torch.tensor([0.0, 1e-9, 1e-4, 2e-2], dtype=torch.float64, requires_grad=True)
+    (g1,) = torch.autograd.grad(emb(r).sum(), r, create_graph=True)
+    (g2,) = torch.autograd.grad(g1.sum(), r)
+    assert g1[0] == 0 and torch.isfinite(g2).all()
+    torch.testing.assert_close(g2[1:3], g2[0].expand(2), rtol=1e-6, atol=0)  # f'' is flat near 0
+    # the value at 2e-2 (past the series' switch at t = 1e-2) continues the series' trend
+    r2 = torch.tensor([2e-2], dtype=torch.float64, requires_grad=True)
+    (h1,) = torch.autograd.grad(emb._plain(r2).sum(), r2)
+    torch.testing.assert_close(g1[3:], h1, rtol=1e-9, atol=0)
+
+
+def test_closed_forms_step_aside_where_they_cannot_run():
+    """Inside torch.func transforms (and torch.compile) the plain formulas run: same values and derivatives."""
+    emb = RadialEmbedding(8, 2.0, "bessel").double()
+    r = torch.linspace(0.1, 1.9, 7, dtype=torch.float64)
+    jac = torch.func.jacrev(lambda t: emb(t).sum(-1))(r)
+    rr = r.clone().requires_grad_()
+    (g,) = torch.autograd.grad(emb(rr).sum(), rr)
+    torch.testing.assert_close(jac.diagonal(), g, rtol=1e-12, atol=1e-12)

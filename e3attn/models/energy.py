@@ -1,11 +1,13 @@
 r"""Energies, forces and stress of atomistic systems (open or periodic) from a model of the positions."""
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Tuple
 
 import torch
 
 from .._checks import _skip_values, check_batch, check_dtype, check_edge_index, check_pos
+from .._jet import first_derivatives_only
 
 __all__ = ["edge_vectors", "energy_and_forces", "energy_forces_stress"]
 
@@ -233,7 +235,8 @@ def _energy_and_gradients(model, pos, x, batch, node_attr, edge_index, shifts, c
             cell = cell + cell @ symmetric
             inputs.append(strain)
         edge_vec = None if shifts is None else edge_vectors(strained, edge_index, shifts, cell, batch)
-        out = model(strained, x, batch, edge_index, edge_vec, node_attr=node_attr)
+        with contextlib.nullcontext() if create_graph else first_derivatives_only():  # one derivative: forces
+            out = model(strained, x, batch, edge_index, edge_vec, node_attr=node_attr)
         if out.dim() == 2 and out.shape[1] == 1:
             out = out[:, 0]
         if out.shape != (num_graphs,):
