@@ -13,8 +13,8 @@ elementwise (the radial basis, the cutoffs), :func:`jet` instead computes its va
 (a few operations each way, whatever the formula). Inside :func:`first_derivatives_only` (a caller that will take
 one derivative, such as forces for molecular dynamics) :math:`f''` is left out, and computed again only if a
 second derivative is taken after all. A third derivative, a derivative inside ``torch.compile``,
-a ``torch.func`` transform or forward-mode AD is that of the plain formula (``plain``), so every derivative is
-the plain formula's, to rounding.
+a ``torch.func`` transform, batched gradients (``is_grads_batched``) or forward-mode AD is that of the plain
+formula (``plain``), so every derivative is the plain formula's, to rounding.
 """
 from __future__ import annotations
 
@@ -51,6 +51,11 @@ def jet(x: torch.Tensor, plain: Plain, derivatives: Jet) -> torch.Tensor:
     return _Value.apply(x, plain, derivatives)
 
 
+def _transformed(grad: torch.Tensor) -> bool:
+    """Whether a gradient reaches a backward batched or inside a ``torch.func`` transform."""
+    return torch._C._are_functorch_transforms_active() or torch._C._functorch.is_batchedtensor(grad)
+
+
 def _sum_trailing(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``t`` summed over its dimensions beyond those of ``x`` (the components ``K`` of a vector function)."""
     return t.sum(-1) if t.dim() > x.dim() else t
@@ -72,7 +77,13 @@ class _Value(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _Gradient.apply(g, *ctx.saved_tensors, *ctx.functions), None, None
+        x, d1, d2 = ctx.saved_tensors
+        plain, derivatives = ctx.functions
+        if _transformed(g):  # batched gradients (is_grads_batched, vmap): of the plain formula
+            with torch.enable_grad():
+                (gx,) = torch.autograd.grad(plain(x), x, g, create_graph=torch.is_grad_enabled())
+            return gx, None, None
+        return _Gradient.apply(g, x, d1, d2, plain, derivatives), None, None
 
 
 class _Gradient(torch.autograd.Function):
@@ -88,11 +99,12 @@ class _Gradient(torch.autograd.Function):
     def backward(ctx, u):
         g, x, d1, d2 = ctx.saved_tensors
         plain, derivatives = ctx.functions
-        if torch.is_grad_enabled():  # a third derivative: of the plain formula
+        if torch.is_grad_enabled() or _transformed(u):  # a third derivative, batched gradients: the plain formula's
             with torch.enable_grad():  # on x and g themselves: the result stays differentiable through them
                 g_ = g if g.requires_grad else g.detach().requires_grad_()
                 (first,) = torch.autograd.grad(plain(x), x, g_, create_graph=True)
-                gg, gx = torch.autograd.grad(first, (g_, x), u, create_graph=True, materialize_grads=True)
+                gg, gx = torch.autograd.grad(first, (g_, x), u, create_graph=torch.is_grad_enabled(),
+                                             materialize_grads=True)
             return gg, gx, None, None, None, None
         if d2 is None:  # left out by first_derivatives_only
             d2 = derivatives(x, True)[2]
