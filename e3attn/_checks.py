@@ -6,9 +6,7 @@ public entry points, before any internal operation, so a mismatch names the argu
 
 Checks of tensor *values* (finite positions, indices in range) need the data on the host (on a GPU, a
 wait for it); they are skipped while ``torch.compile`` traces, and inside :func:`values_checked_by_caller`
-(shapes and dtypes are still checked), see :func:`_skip_values`. A tensor that passed one is not checked again
-while it is unchanged (``e3attn._remembered``): the layers of a model check the same positions, edges and
-batch once per step, not once each.
+(shapes and dtypes are still checked), see :func:`_skip_values`.
 """
 from __future__ import annotations
 
@@ -20,8 +18,6 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
-
-from ._remembered import checked, remember
 
 
 _CALLER_CHECKED = contextvars.ContextVar("e3attn_values_checked_by_caller", default=False)
@@ -43,17 +39,6 @@ def _skip_values() -> bool:
     """Whether to skip the checks of tensor values: while ``torch.compile`` traces (they would be data-dependent
     branches) and inside :func:`values_checked_by_caller`."""
     return torch.compiler.is_compiling() or _CALLER_CHECKED.get()  # compiling first: dynamo cannot trace .get()
-
-
-def _values_pass(t: torch.Tensor, key: Any, test: Callable[[], bool]) -> bool:
-    """Whether the values of ``t`` pass ``test()``, the check named ``key``: run once per tensor and version
-    (``e3attn._remembered``), and never while values are not checked (:func:`_skip_values`)."""
-    if _skip_values() or checked(t, key):
-        return True
-    passed = bool(test())
-    if passed:
-        remember(t, key, True)
-    return passed
 
 
 def check_int(value: Any, name: str, minimum: int = 0) -> int:
@@ -118,7 +103,7 @@ def check_pos(pos: torch.Tensor, name: str = "pos", finite: bool = True) -> None
         raise ValueError(f"{name} must have shape [N, 3], got {list(pos.shape)}")
     if not pos.is_floating_point():
         raise ValueError(f"{name} must be a floating-point tensor, got dtype {pos.dtype}")
-    if finite and not _values_pass(pos, "finite", lambda: torch.isfinite(pos).all()):
+    if finite and not _skip_values() and not bool(torch.isfinite(pos).all()):
         raise ValueError(f"{name} contains NaN or infinite values")
 
 
@@ -143,12 +128,10 @@ def check_edge_index(edge_index: torch.Tensor, num_nodes: int, name: str = "edge
         raise ValueError(f"{name} must have shape [2, E], got {list(edge_index.shape)}")
     if edge_index.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"{name} must be an integer (int64 or int32) tensor, got dtype {edge_index.dtype}")
-    def in_range() -> bool:  # the size may be data-dependent while tracing: not tested then (_skip_values)
-        return edge_index.numel() == 0 or (0 <= int(edge_index.min()) and int(edge_index.max()) < num_nodes)
-
-    if not _values_pass(edge_index, ("nodes", num_nodes), in_range):
+    if not _skip_values() and edge_index.numel() > 0:  # the size may be data-dependent while tracing
         lo, hi = int(edge_index.min()), int(edge_index.max())
-        raise ValueError(f"{name} has entries in [{lo}, {hi}], outside the valid node range [0, {num_nodes})")
+        if lo < 0 or hi >= num_nodes:
+            raise ValueError(f"{name} has entries in [{lo}, {hi}], outside the valid node range [0, {num_nodes})")
 
 
 def check_batch(batch: Optional[torch.Tensor], num_nodes: int, name: str = "batch") -> None:
@@ -161,7 +144,7 @@ def check_batch(batch: Optional[torch.Tensor], num_nodes: int, name: str = "batc
         raise ValueError(f"{name} must have shape [{num_nodes}] (one graph index per point), got {list(batch.shape)}")
     if batch.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"{name} must be an integer tensor, got dtype {batch.dtype}")
-    if not _values_pass(batch, "non-negative", lambda: batch.numel() == 0 or int(batch.min()) >= 0):
+    if not _skip_values() and batch.numel() > 0 and int(batch.min()) < 0:
         raise ValueError(f"{name} must hold non-negative graph indices")
 
 
@@ -173,5 +156,5 @@ def check_edge_vec(edge_vec: torch.Tensor, num_edges: int, name: str = "edge_vec
         raise ValueError(f"{name} must have shape [{num_edges}, 3] (one vector per edge), got {list(edge_vec.shape)}")
     if not edge_vec.is_floating_point():
         raise ValueError(f"{name} must be a floating-point tensor, got dtype {edge_vec.dtype}")
-    if not _values_pass(edge_vec, "finite", lambda: torch.isfinite(edge_vec).all()):
+    if not _skip_values() and not bool(torch.isfinite(edge_vec).all()):
         raise ValueError(f"{name} contains NaN or infinite values")

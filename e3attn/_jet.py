@@ -14,7 +14,9 @@ elementwise (the radial basis, the cutoffs), :func:`jet` instead computes its va
 one derivative, such as forces for molecular dynamics) :math:`f''` is left out, and computed again only if a
 second derivative is taken after all. A third derivative, a derivative inside ``torch.compile``,
 a ``torch.func`` transform, batched gradients (``is_grads_batched``) or forward-mode AD is that of the plain
-formula (``plain``), so every derivative is the plain formula's, to rounding.
+formula (``plain``): the same derivatives to rounding, wherever the plain formula's own are accurate (for the
+Bessel basis near :math:`r = 0` the closed forms are the more accurate). Forward-mode AD through a graph
+recorded outside it is not supported.
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ def jet(x: torch.Tensor, plain: Plain, derivatives: Jet) -> torch.Tensor:
     """``plain(x)`` (``x [...]`` to ``[...]`` or ``[..., K]``), differentiated with ``derivatives(x, second) =
     (f, f', f'' if second else None)`` (see the module docstring); ``plain`` itself where closed forms are not
     used."""
-    if (not x.requires_grad or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+    if (not (x.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
             or torch.autograd.forward_ad._current_level >= 0):
         return plain(x)
     return _Value.apply(x, plain, derivatives)

@@ -617,3 +617,22 @@ def test_rejects_bad_inputs():
         model(pos, x, node_attr=attr, edge_index=torch.tensor([[0], [99]]))
     with pytest.raises(ValueError, match="node_attr was given but the model has no irreps_node_attr"):
         make_model()(pos, node_attr=attr)
+
+
+def test_layer_norm_under_autocast_and_with_empty_irreps():
+    """Its statistics are sums (matrix products): never in autocast's bfloat16, and the output keeps the
+    dtype of the elementwise formula (float32 weights promote a bfloat16 input); empty irreps pass x through."""
+    irreps = o3.Irreps("8x0e + 4x1o + 2x2e")
+    torch.manual_seed(2)
+    norm = EquivariantLayerNorm(irreps)
+    x = torch.randn(6, irreps.dim) + 30 * (torch.arange(irreps.dim) < 8)  # an offset on the even scalars
+    reference = EquivariantLayerNorm(irreps).double()(x.double())
+    for inputs in (x, x.bfloat16()):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = norm(inputs)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out.double(), layer_norm_loops(inputs.double(), irreps, norm.weight.detach().double(),
+                                                                  norm.bias.detach().double(), 1e-5), atol=1e-5, rtol=0)
+    torch.testing.assert_close(norm(x).double(), reference, atol=1e-5, rtol=0)
+    for empty in ("", "0x0e"):
+        assert EquivariantLayerNorm(empty)(torch.zeros(3, 0)).shape == (3, 0)

@@ -105,24 +105,27 @@ def test_radial_mlp_pieces_compose_to_it():
 
 
 def _three_derivatives(fn, x0, weights):
-    """``fn(x)``, the gradient of ``<w, fn(x)>`` with create_graph, its gradient again (a force-training step's
-    second derivative), and a third derivative (through the plain formula's fallback)."""
+    """``fn(x)``, the gradient of ``<w, fn(x)>`` with create_graph, its gradient again without (a force-training
+    step's second derivative: the closed forms), and the same second derivative with create_graph differentiated
+    once more (a third derivative: the plain formula's fallback)."""
     x = x0.clone().requires_grad_()
     y = fn(x)
     (g1,) = torch.autograd.grad((y * weights).sum(), x, create_graph=True)
-    (g2,) = torch.autograd.grad((g1 * g1).sum(), x, create_graph=True)
-    (g3,) = torch.autograd.grad(g2.sum(), x)
-    return y.detach(), g1.detach(), g2.detach(), g3
+    (g2,) = torch.autograd.grad((g1 * g1).sum(), x, retain_graph=True)
+    (g2_graph,) = torch.autograd.grad((g1 * g1).sum(), x, create_graph=True)
+    (g3,) = torch.autograd.grad(g2_graph.sum(), x)
+    return y.detach(), g1.detach(), g2, g3
 
 
 def _radial_functions():
     from e3attn import radial
 
-    lengths = torch.cat([torch.tensor([0.05, 1.0, 2.0 - 1e-6, 2.0, 2.5]), torch.linspace(0.05, 2.3, 97)])
+    lengths = torch.cat([torch.tensor([0.0, 1.0, 2.0 - 1e-6, 2.0, 2.5]), torch.linspace(0.05, 2.3, 97)])
     steps = torch.cat([torch.tensor([-1.0, 0.0, 1e-4, 1 / 800, 1 / 800 + 1e-9]), torch.linspace(-0.5, 10.0, 97)])
     for basis in RadialEmbedding.BASES:
         emb = RadialEmbedding(8, 2.0, basis).double()
-        yield basis, emb, emb._plain, lengths.double()
+        # (the Bessel basis from 0.05 on: below, the plain formula's derivatives lose their digits, next test)
+        yield basis, emb, emb._plain, (lengths[1:] if basis == "bessel" else lengths).double()
     yield "soft_unit_step", soft_unit_step, radial._soft_unit_step, steps.double()
     yield "log_soft_unit_step", radial.log_soft_unit_step, radial._log_soft_unit_step, steps.double()
 

@@ -75,12 +75,13 @@ class EquivariantLayerNorm(Float64ConstantsModule):
             stats.append((1 - even, (1 - even) * torch.tensor(inverse_dim, dtype=torch.float64) / self._num_other))
         self.register_constant("even", even)
         self.register_constant("mean_of", even[:, None] / max(self._num_even, 1))
-        self.register_constant("moments", torch.stack([w for _, w in stats], 1).reshape(self._dim, len(stats)))
-        self.register_constant("spread", torch.stack([m for m, _ in stats]).reshape(len(stats), self._dim))
+        self.register_constant("moments", torch.stack([w for _, w in stats], 1) if stats else torch.zeros(self._dim, 0))
+        self.register_constant("spread", torch.stack([m for m, _ in stats]) if stats else torch.zeros(0, self._dim))
         # the affine weights on the columns: weight @ weight_columns, bias @ bias_columns (zero on the others)
-        self.register_constant("weight_columns", torch.nn.functional.one_hot(torch.tensor(channel), channels).T)
-        rank = (torch.cumsum(even, 0) - 1).clamp_min(0).long()  # an even column's rank among the even columns
-        self.register_constant("bias_columns", torch.nn.functional.one_hot(rank, max(self._num_even, 1)).T * even)
+        channel = torch.tensor(channel, dtype=torch.long)
+        self.register_constant("weight_columns", torch.arange(channels)[:, None] == channel)
+        rank = torch.cumsum(even, 0).long() - 1  # an even column's rank among the even columns
+        self.register_constant("bias_columns", (torch.arange(self._num_even)[:, None] == rank) * even)
         self.affine = affine
         if affine:
             self.weight = torch.nn.Parameter(torch.ones(self._num_even + self._num_other))
@@ -96,11 +97,14 @@ class EquivariantLayerNorm(Float64ConstantsModule):
             check_dtype(x, "x", self.weight.dtype, "the module")
         if self._dim == 0:
             return x
-        dtype = x.dtype
-        if self._num_even:
-            x = x - (x @ self.constant("mean_of", dtype)) * self.constant("even", dtype)
-        scale = torch.rsqrt((x * x) @ self.constant("moments", dtype) + self.eps) @ self.constant("spread", dtype)
-        if not self.affine:
-            return x * scale
-        x = x * (scale * (self.weight @ self.constant("weight_columns", dtype)))
-        return x + self.bias @ self.constant("bias_columns", dtype) if self._num_even else x
+        # in x's dtype (promoted with the weights'), never in autocast's lower precision: the products are sums
+        dtype = torch.promote_types(x.dtype, self.weight.dtype) if self.affine else x.dtype
+        with torch.autocast(x.device.type, enabled=False):
+            x = x.to(dtype)
+            if self._num_even:
+                x = x - (x @ self.constant("mean_of", dtype)) * self.constant("even", dtype)
+            scale = torch.rsqrt((x * x) @ self.constant("moments", dtype) + self.eps) @ self.constant("spread", dtype)
+            if not self.affine:
+                return x * scale
+            x = x * (scale * (self.weight @ self.constant("weight_columns", dtype)))
+            return x + self.bias @ self.constant("bias_columns", dtype) if self._num_even else x

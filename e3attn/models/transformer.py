@@ -6,7 +6,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import torch
 from e3nn import o3
 
-from .._checks import check_batch, check_dtype, check_edge_index, check_edge_vec, check_features, check_int, check_pos
+from .._checks import (check_batch, check_dtype, check_edge_index, check_edge_vec, check_features, check_int, check_pos,
+                       values_checked_by_caller)
 from .._irreps import IrrepsLike, as_irreps
 from ..attention import EquivariantAttention
 from ..edge_geometry import Geometry, shared_edge_geometry
@@ -279,13 +280,13 @@ class EquivariantTransformer(torch.nn.Module):
             check_edge_index(edge_index, num_nodes)
         if edge_vec is None:
             edge_vec = pos[edge_index[0]] - pos[edge_index[1]]
-        else:
-            check_edge_vec(edge_vec, edge_index.shape[1])
-            check_dtype(edge_vec, "edge_vec", pos.dtype, "the model")
+        check_edge_vec(edge_vec, edge_index.shape[1])
+        check_dtype(edge_vec, "edge_vec", pos.dtype, "the model")
         # the harmonics, the embedding of the lengths and the radial networks' first layers of every block: at once
         geometry = iter(shared_edge_geometry(edge_vec, [m for layer in self.layers for m in layer.geometry_layers()]))
-        for layer in self.layers:
-            h = layer(h, pos, edge_index, edge_vec, node_attr, [next(geometry) for _ in layer.geometry_layers()])
+        with values_checked_by_caller():  # checked above: the blocks do not check the same values again
+            for layer in self.layers:
+                h = layer(h, pos, edge_index, edge_vec, node_attr, [next(geometry) for _ in layer.geometry_layers()])
         out = self.output(h)
         if self.reduce is None:
             return out
