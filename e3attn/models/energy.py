@@ -235,7 +235,8 @@ def _energy_and_gradients(model, pos, x, batch, node_attr, edge_index, shifts, c
             cell = cell + cell @ symmetric
             inputs.append(strain)
         edge_vec = None if shifts is None else edge_vectors(strained, edge_index, shifts, cell, batch)
-        with contextlib.nullcontext() if create_graph else first_derivatives_only():  # one derivative: forces
+        one = not create_graph and not torch.compiler.is_compiling()  # one derivative (forces): f'' not prepared
+        with first_derivatives_only() if one else contextlib.nullcontext():
             out = model(strained, x, batch, edge_index, edge_vec, node_attr=node_attr)
         if out.dim() == 2 and out.shape[1] == 1:
             out = out[:, 0]

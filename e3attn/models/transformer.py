@@ -1,6 +1,7 @@
 r"""A complete equivariant transformer: attention blocks with gates, self-interactions and layer norms."""
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
@@ -284,7 +285,8 @@ class EquivariantTransformer(torch.nn.Module):
         check_dtype(edge_vec, "edge_vec", pos.dtype, "the model")
         # the harmonics, the embedding of the lengths and the radial networks' first layers of every block: at once
         geometry = iter(shared_edge_geometry(edge_vec, [m for layer in self.layers for m in layer.geometry_layers()]))
-        with values_checked_by_caller():  # checked above: the blocks do not check the same values again
+        # checked above: the blocks do not check the same values again (while compiling no value is checked)
+        with contextlib.nullcontext() if torch.compiler.is_compiling() else values_checked_by_caller():
             for layer in self.layers:
                 h = layer(h, pos, edge_index, edge_vec, node_attr, [next(geometry) for _ in layer.geometry_layers()])
         out = self.output(h)
