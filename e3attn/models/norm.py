@@ -69,12 +69,12 @@ class EquivariantLayerNorm(Float64ConstantsModule):
         self._num_even = int(even.sum())
         self._num_other = channels - self._num_even
         # The statistics as matrix products, a few operations whatever the irreps (and to differentiate twice):
-        # mu = x @ mean_of; (sigma^2, rho^2) = centred^2 @ moments; their factors back on the columns by @ spread.
+        # (sigma^2, rho^2) = centred^2 @ moments, mu = x @ (the first column: the even ones' mean); their factors
+        # back on the columns by @ spread.
         stats = [(even, even / self._num_even)] if self._num_even else []
         if self._num_other:
             stats.append((1 - even, (1 - even) * torch.tensor(inverse_dim, dtype=torch.float64) / self._num_other))
         self.register_constant("even", even)
-        self.register_constant("mean_of", even[:, None] / max(self._num_even, 1))
         self.register_constant("moments", torch.stack([w for _, w in stats], 1) if stats else torch.zeros(self._dim, 0))
         self.register_constant("spread", torch.stack([m for m, _ in stats]) if stats else torch.zeros(0, self._dim))
         # the affine weights on the columns: weight @ weight_columns, bias @ bias_columns (zero on the others)
@@ -102,7 +102,7 @@ class EquivariantLayerNorm(Float64ConstantsModule):
         with torch.autocast(x.device.type, enabled=False):
             x = x.to(dtype)
             if self._num_even:
-                x = x - (x @ self.constant("mean_of", dtype)) * self.constant("even", dtype)
+                x = x - (x @ self.constant("moments", dtype)[:, :1]) * self.constant("even", dtype)
             scale = torch.rsqrt((x * x) @ self.constant("moments", dtype) + self.eps) @ self.constant("spread", dtype)
             if not self.affine:
                 return x * scale
