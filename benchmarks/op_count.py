@@ -17,7 +17,9 @@ is put down to the line of e3attn whose forward code caused it: directly, or thr
 runs it in a backward, followed back to the forward operation that recorded it (for the second derivatives of a
 force step, through the first derivative's node; PyTorch's anomaly mode keeps those tracebacks). The totals are
 split by phase: ``forward`` (for the energy, with the forces' first backward inside), ``loss`` and ``backward``
-(the loss's, in a training step).
+(the loss's, in a training step). Beside them, the memory the step keeps for its derivatives: the bytes of the
+storages autograd saves (each counted once, saved inputs and parameters included), in the GPU's layout with the
+variables above; it depends on the sizes, not on the machine.
 
 The layer's own kernels count as one operation each. A dispatch mode records the operations, so e3attn calls
 them through their registered operators rather than its eager shortcuts (the same kernels). With
@@ -186,14 +188,39 @@ def build_case(name: str, args: argparse.Namespace):
     return layer_case(config, int(nodes or 60))
 
 
+class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """The bytes of the storages that autograd keeps for backward while it is active, each storage counted once
+    (inputs and parameters that are saved included): what a step holds for its derivatives."""
+
+    def __init__(self) -> None:
+        self.storages: Dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            self.storages[storage.data_ptr()] = max(self.storages.get(storage.data_ptr(), 0), storage.nbytes())
+            return t
+
+        super().__init__(pack, lambda t: t)
+
+    def __enter__(self) -> "SavedBytes":
+        super().__enter__()
+        return self
+
+    @property
+    def mib(self) -> float:
+        return sum(self.storages.values()) / 2**20
+
+
 def count(step: Callable, warmup: int = 1) -> OperationCounter:
-    """The operations of one call of ``step(counter)`` after ``warmup`` calls."""
+    """The operations of one call of ``step(counter)`` after ``warmup`` calls, and (``counter.saved``) the bytes it
+    keeps for backward."""
     for _ in range(warmup):
         step(None)
     counter = OperationCounter()
+    counter.saved = SavedBytes()
     undo = count_triton(counter)
     try:
-        with torch.autograd.set_detect_anomaly(True, check_nan=False), counter:
+        with torch.autograd.set_detect_anomaly(True, check_nan=False), counter, counter.saved:
             step(counter)
     finally:
         undo()
@@ -226,9 +253,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, dict]:
         total = sum(counter.by_phase.values())
         report[name] = {"sizes": sizes, "total": total, "by_phase": dict(counter.by_phase),
                         "by_site": dict(counter.by_site.most_common()), "by_op": dict(counter.by_op.most_common()),
-                        "backend": cpu_backend()}
+                        "backend": cpu_backend(), "saved_mib": counter.saved.mib}
         phases = ", ".join(f"{k} {v}" for k, v in counter.by_phase.items())
-        print(f"{name} {sizes}: {total} operations ({phases}); kernels: {cpu_backend()}")
+        print(f"{name} {sizes}: {total} operations ({phases}); kernels: {cpu_backend()}; "
+              f"saved for backward {counter.saved.mib:.2f} MiB")
         for site, n in counter.by_site.most_common(args.top):
             print(f"  {n:6d}  {site}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -255,6 +255,15 @@ def _second_moment_constant() -> float:
 _SILU_NORM = _second_moment_constant()
 
 
+def _silu_derivatives(x: torch.Tensor, second: bool):
+    r""":math:`\mathrm{silu}(x) = x \sigma(x)`, :math:`\sigma (1 + x (1 - \sigma))` and
+    :math:`\sigma (1 - \sigma) (2 + x (1 - 2 \sigma))`."""
+    sigma = torch.sigmoid(x)
+    value = x * sigma
+    first = sigma + value * (1 - sigma)
+    return value, first, (sigma - sigma * sigma) * (2 + x - 2 * value) if second else None
+
+
 class RadialMLP(torch.nn.Module):
     r"""Radial networks: maps the edge embedding to per-edge tensor product weights.
 
@@ -311,7 +320,7 @@ class RadialMLP(torch.nn.Module):
     def activate(self, pre: torch.Tensor, normalise: bool = True) -> List[torch.Tensor]:
         r"""The hidden layers :math:`h^{(t)}` from the first layers' outputs ``pre = emb @ input_layer()``
         (without their factor :math:`c` if not ``normalise``)."""
-        h = torch.nn.functional.silu(pre)
+        h = jet(pre, torch.nn.functional.silu, _silu_derivatives, plain_first=True)
         return list((h * _SILU_NORM if normalise else h).split(self.hidden, dim=1))
 
     def output_layers(self, fold_activation_norm: bool = False) -> List[torch.Tensor]:

@@ -9,9 +9,12 @@ backends give identical results (tested).
 """
 from __future__ import annotations
 
+import functools
 from typing import Tuple
 
 import torch
+
+from ._softmax_jet import softmax_with_closed_form_derivatives
 
 __all__ = ["scatter_sum", "scatter_max", "segment_softmax", "has_torch_scatter"]
 
@@ -117,7 +120,22 @@ def segment_softmax(
 
     Returns:
         ``alpha`` with the shape of ``src``, or ``(alpha, sqrt_alpha)``.
+
+    Differentiated in closed form (``e3attn._softmax_jet``): the gradient in ``src`` and that gradient's own
+    derivatives (a force-training step's second derivative) take a few segment sums, not autograd's
+    derivatives of this formula; they are the same to rounding where the logits are not NaN (a NaN logit makes
+    the gradients of its whole segment NaN).
     """
+    _check_backend(backend)
+    plain = functools.partial(_segment_softmax, index=index, num_segments=num_segments, backend=backend)
+    alpha, sqrt_alpha = softmax_with_closed_form_derivatives(src, index, num_segments, plain,
+                                                             functools.partial(scatter_sum, backend=backend))
+    return (alpha, sqrt_alpha) if return_sqrt else alpha
+
+
+def _segment_softmax(src: torch.Tensor, index: torch.Tensor, num_segments: int,
+                     backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`segment_softmax`'s ``(alpha, sqrt_alpha)`` by its formula (differentiable by autograd)."""
     m = scatter_max(src.detach(), index, num_segments, backend=backend)
     m = torch.where(torch.isfinite(m), m, 0.0)
     shifted = src - m.index_select(0, index)  # <= 0, -inf for excluded entries
@@ -126,7 +144,4 @@ def segment_softmax(
     # z >= 1 wherever a segment has a finite entry (its maximum contributes exp(0)),
     # and z == 0 only for segments with nothing to attend to, whose numerators are all 0.
     z = torch.where(z > 0, z, 1.0).index_select(0, index)
-    alpha = numerator / z
-    if not return_sqrt:
-        return alpha
-    return alpha, (0.5 * shifted).exp() * z.rsqrt()
+    return numerator / z, (0.5 * shifted).exp() * z.rsqrt()

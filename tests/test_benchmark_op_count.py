@@ -36,6 +36,14 @@ def test_views_do_not_count_and_backward_operations_go_to_their_forward_site(ben
     assert sum(counter.by_site[site] for site in inside) > counter.by_site["(outside e3attn)"]
 
 
+def test_saved_bytes_count_each_storage_once(bench):
+    x, y = torch.randn(10, requires_grad=True), torch.randn(10, requires_grad=True)
+    with bench.SavedBytes() as saved:
+        z = x * y  # saves x and y
+        (z * x).sum()  # saves z and x again
+    assert sorted(saved.storages.values()) == [40, 40, 40] and saved.mib == 120 / 2**20
+
+
 def test_a_small_run_of_every_case(bench, tmp_path, capsys):
     out = tmp_path / "ops.json"
     report = bench.main(["--cases", "train", "md", "layer:guide:12", "--batch-size", "2", "--atoms", "32",
@@ -44,6 +52,7 @@ def test_a_small_run_of_every_case(bench, tmp_path, capsys):
     for name in ("train", "md", "layer:guide:12"):
         case = report[name]
         assert case["total"] == sum(case["by_phase"].values()) == sum(case["by_site"].values()) > 0
+        assert case["saved_mib"] > 0
         assert any(site.startswith("kernels.") for site in case["by_site"])  # the layer's own operators count
     assert set(report["train"]["by_phase"]) == {"forward", "loss", "backward"}
     assert "operations (forward" in capsys.readouterr().out

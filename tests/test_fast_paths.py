@@ -123,6 +123,44 @@ def test_spherical_harmonics_equal_e3nn(lmax, float32_default):
     torch.testing.assert_close(g_got, g_ref, atol=1e-10, rtol=1e-12)
 
 
+def _derivatives(fn, vec, cotangent, direction):
+    """``fn(vec)``, the gradient of ``<c, fn>`` with create_graph (forces; the cotangent ``c = cotangent * t``
+    depends on a leaf ``t``, as a force step's does on the parameters), that gradient's derivatives along
+    ``direction`` in ``vec`` and ``t`` without create_graph (a force-training step's second derivative) and,
+    with it, differentiated once more."""
+    vec, scale = vec.detach().requires_grad_(), torch.ones_like(cotangent).requires_grad_()
+    y = fn(vec)
+    (g1,) = torch.autograd.grad(y, vec, cotangent * scale, create_graph=True)
+    g2 = torch.autograd.grad(g1, (vec, scale), direction, retain_graph=True)
+    g2_graph = torch.autograd.grad(g1, (vec, scale), direction, create_graph=True)
+    g3 = torch.autograd.grad(sum(g.pow(2).sum() for g in g2_graph), (vec, scale))
+    return (y, g1) + g2 + g3
+
+
+@pytest.mark.parametrize("lmax", [1, 2, 3, 6])
+def test_spherical_harmonics_derivatives_in_closed_form_equal_e3nn(lmax):
+    """The harmonics differentiate in closed form (their gradients and Hessians contracted on the monomials):
+    first, second (in the vectors and in the cotangent) and third derivatives equal e3nn's autograd ones (float64);
+    below the normalisation's floor (r < 1e-12) and at r = 0 they equal the plain formula's."""
+    sh = SphericalHarmonics(lmax).double()
+    ref = o3.SphericalHarmonics(o3.Irreps.spherical_harmonics(lmax), normalize=True, normalization="component")
+    gen = torch.Generator().manual_seed(lmax)
+    vec = torch.randn(30, 3, generator=gen, dtype=torch.float64) * 3 * torch.rand(30, 1, generator=gen,
+                                                                                   dtype=torch.float64)
+    vec[0], vec[1], vec[2] = torch.tensor([0.0, 0.0, 2.0]), torch.tensor([1e6, -1e6, 0.0]), 1e-6 * vec[2]
+    cotangent = torch.randn(30, (lmax + 1) ** 2, generator=gen, dtype=torch.float64)
+    direction = torch.randn(30, 3, generator=gen, dtype=torch.float64)
+    ours = _derivatives(sh, vec, cotangent, direction)
+    for k, (a, b) in enumerate(zip(ours, _derivatives(ref, vec, cotangent, direction))):
+        torch.testing.assert_close(a, b, atol=1e-10 * b.abs().max().item(), rtol=1e-10, msg=f"derivative {k}")
+    tiny = torch.tensor([[0.0, 0.0, 0.0], [3e-13, -2e-13, 1e-13], [0.0, 2e-13, 0.0]], dtype=torch.float64)
+    ours = _derivatives(sh, tiny, cotangent[:3], direction[:3])
+    plain = _derivatives(sh._plain, tiny, cotangent[:3], direction[:3])
+    for k, (a, b) in enumerate(zip(ours[:4], plain[:4])):
+        a, b = (a, b) if k != 2 else (a[1:], b[1:])  # at r = 0 the plain second derivative is NaN (the norm's)
+        torch.testing.assert_close(a, b, atol=1e-12 * b.abs().max().item(), rtol=1e-12, msg=f"derivative {k}")
+
+
 def test_spherical_harmonics_constants_are_reproducible():
     """Rebuilding gives bit-identical constants (checkpoints reload to identical outputs)."""
     for lmax in (2, 3, 5):

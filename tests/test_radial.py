@@ -128,6 +128,9 @@ def _radial_functions():
         yield basis, emb, emb._plain, (lengths[1:] if basis == "bessel" else lengths).double()
     yield "soft_unit_step", soft_unit_step, radial._soft_unit_step, steps.double()
     yield "log_soft_unit_step", radial.log_soft_unit_step, radial._log_soft_unit_step, steps.double()
+    silu = torch.nn.functional.silu  # the radial networks' activation (RadialMLP.activate)
+    wide = torch.cat([torch.tensor([0.0, -800.0, 800.0]), torch.linspace(-40.0, 40.0, 97)]).double()
+    yield "silu", lambda x: radial.jet(x, silu, radial._silu_derivatives), silu, wide
 
 
 @pytest.mark.parametrize("first_only", [False, True])
@@ -173,3 +176,44 @@ def test_closed_forms_step_aside_where_they_cannot_run():
     rr = r.clone().requires_grad_()
     (g,) = torch.autograd.grad(emb(rr).sum(), rr)
     torch.testing.assert_close(jac.diagonal(), g, rtol=1e-12, atol=1e-12)
+
+
+def _closed_and_plain_functions():
+    """Every function differentiated in closed form, with its plain formula and an input (float64)."""
+    from e3attn import radial
+    from e3attn.scatter import _segment_softmax, segment_softmax
+    from e3attn.spherical_harmonics import SphericalHarmonics
+
+    gen = torch.Generator().manual_seed(5)
+    sh, emb = SphericalHarmonics(3).double(), RadialEmbedding(6, 2.0, "bessel").double()
+    index = torch.tensor([0, 0, 1, 1, 1, 3])
+    silu = torch.nn.functional.silu
+    yield "harmonics", sh, sh._plain, torch.randn(5, 3, generator=gen, dtype=torch.float64)
+    yield "bessel", emb, emb._plain, torch.tensor([0.3, 0.9, 1.7], dtype=torch.float64)
+    yield "silu", lambda x: radial.jet(x, silu, radial._silu_derivatives), silu, torch.linspace(-3, 3, 7).double()
+    yield ("softmax", lambda x: torch.cat(segment_softmax(x, index, 4, return_sqrt=True)),
+           lambda x: torch.cat(_segment_softmax(x, index, 4, "torch")), torch.randn(6, 2, generator=gen).double())
+
+
+@pytest.mark.parametrize("case", ["harmonics", "bessel", "silu", "softmax"])
+def test_derivatives_when_the_cotangent_depends_on_the_input(case):
+    """In a model the cotangent reaching a function depends on its input (dE/dY depends on the edges). The
+    closed forms' second derivatives, their fallback's (with create_graph), third derivatives and batched
+    Hessian-vector products then equal autograd's of the plain formula (float64)."""
+    name, fn, plain, x0 = next(c for c in _closed_and_plain_functions() if c[0] == case)
+
+    def derivatives(f):
+        x = x0.clone().requires_grad_()
+        y = f(x)
+        energy = (y.pow(2) * torch.linspace(0.5, 2.0, y.shape[-1], dtype=y.dtype)).sum() + y.sum() * x.sum()
+        (g1,) = torch.autograd.grad(energy, x, create_graph=True)
+        loss = g1.pow(2).sum()
+        (g2,) = torch.autograd.grad(loss, x, retain_graph=True)
+        (g2_graph,) = torch.autograd.grad(loss, x, create_graph=True)
+        (g3,) = torch.autograd.grad(g2_graph.pow(2).sum(), x, retain_graph=True)
+        directions = torch.eye(x.numel(), dtype=x.dtype)[:3].view(3, *x.shape)
+        (hvp,) = torch.autograd.grad(g1, x, directions, is_grads_batched=True)
+        return g1.detach(), g2, g2_graph.detach(), g3, hvp
+
+    for k, (a, b) in enumerate(zip(derivatives(fn), derivatives(plain))):
+        torch.testing.assert_close(a, b, atol=1e-12 * b.abs().max().item(), rtol=1e-12, msg=f"{name}: {k}")

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from e3attn.scatter import has_torch_scatter, scatter_max, scatter_sum, segment_softmax
+from e3attn.scatter import _segment_softmax, has_torch_scatter, scatter_max, scatter_sum, segment_softmax
 
 torch_scatter_only = pytest.mark.skipif(not has_torch_scatter(), reason="torch_scatter is not installed")
 
@@ -52,6 +52,50 @@ def test_segment_softmax_gradients_finite_with_excluded_entries():
     alpha, sqrt_alpha = segment_softmax(src, index, 3, return_sqrt=True)
     (alpha.sum() + (sqrt_alpha * torch.arange(4.0, dtype=torch.float64)).sum()).backward()
     assert torch.isfinite(src.grad).all()
+
+
+def _softmax_derivatives(softmax, src, weights, uses):
+    """A force-training step's derivatives of the softmax: values; the gradient in ``src`` of a loss whose
+    cotangents depend on ``weights`` (with create_graph); that gradient's derivatives in ``src`` and ``weights``
+    without (the closed forms) and with create_graph, differentiated once more (a third derivative)."""
+    src, weights = src.clone().requires_grad_(), weights.clone().requires_grad_()
+    alpha, beta = softmax(src)
+    finite = lambda t: torch.where(torch.isfinite(src), t, 0.0)  # noqa: E731
+    loss = (finite(alpha * weights) if "alpha" in uses else 0) + (finite(beta * weights.sin()) if "beta" in uses
+                                                                    else 0)
+    (g1,) = torch.autograd.grad(loss.sum(), src, create_graph=True)
+    second = (g1 * g1).sum() + (g1 * weights.cos()).sum()
+    g2 = torch.autograd.grad(second, (src, weights), retain_graph=True)
+    g2_graph = torch.autograd.grad(second, (src, weights), create_graph=True)
+    g3 = torch.autograd.grad(sum(g.pow(2).sum() for g in g2_graph), (src, weights))
+    return (alpha.detach(), beta.detach(), g1.detach()) + g2 + g3
+
+
+@pytest.mark.parametrize("uses", [("alpha", "beta"), ("alpha",), ("beta",)])
+def test_segment_softmax_derivatives_in_closed_form_equal_the_formula(uses):
+    """First, second (in the logits and in the cotangents) and third derivatives of the softmax differentiated in
+    closed form (e3attn._softmax_jet) equal autograd's of its formula (float64), with excluded entries, a segment
+    with nothing to attend to and an empty one."""
+    gen = torch.Generator().manual_seed(3)
+    index = torch.tensor([0, 0, 0, 1, 1, 3, 3, 3, 3, 4])  # segment 2 is empty
+    src = torch.randn(10, 2, generator=gen, dtype=torch.float64) * 3
+    src[1, 0] = src[3, 1] = src[4, 1] = float("-inf")  # excluded; segment 1 has nothing to attend to in head 1
+    weights = torch.randn(10, 2, generator=gen, dtype=torch.float64)
+    ours = _softmax_derivatives(lambda s: segment_softmax(s, index, 5, return_sqrt=True), src, weights, uses)
+    formula = _softmax_derivatives(lambda s: _segment_softmax(s, index, 5, "torch"), src, weights, uses)
+    for k, (a, b) in enumerate(zip(ours, formula)):
+        assert torch.isfinite(a).all(), k
+        torch.testing.assert_close(a, b, atol=1e-12 * b.abs().max().item(), rtol=1e-12, msg=f"output {k}")
+
+
+def test_segment_softmax_nan_logit_stays_in_its_segment():
+    """A NaN logit gives NaN attention on its edge and NaN gradients in its segment, not beyond."""
+    index = torch.tensor([0, 0, 1, 1])
+    src = torch.tensor([0.5, float("nan"), 1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    alpha, beta = segment_softmax(src, index, 2, return_sqrt=True)
+    (grad,) = torch.autograd.grad((alpha + beta).sum(), src)
+    assert alpha.isnan().tolist() == [False, True, False, False] and torch.isfinite(beta[2:]).all()
+    assert torch.isfinite(grad[2:]).all()
 
 
 def test_bad_backend():

@@ -19,7 +19,10 @@ in one pass over the nodes instead of about ten PyTorch operations, and the grad
     + \tfrac{1}{2} \left(\beta_e g_{\beta, e} - \alpha_e \sum_{e' \to i} \beta_{e'} g_{\beta, e'}\right)
 
 in one more. A gradient that must itself be differentiable (``create_graph=True``), that is batched
-(``is_grads_batched=True``) or taken inside a ``torch.func`` transform is taken of the plain formulation, recomputed from the saved logits. A ``torch.autograd.Function`` for plain eager CPU tensors, like
+(``is_grads_batched=True``) or taken inside a ``torch.func`` transform is taken of the plain formulation, recomputed
+from the saved logits (whose own derivatives are closed forms, ``e3attn._softmax_jet``; with a NaN logit they are
+NaN on its whole segment, where this kernel's first derivative keeps them on its edge). A
+``torch.autograd.Function`` for plain eager CPU tensors, like
 :mod:`e3attn.kernels.geometry_ops` (:func:`~e3attn.kernels.eager_on_cpu` says where).
 """
 from __future__ import annotations
