@@ -159,6 +159,13 @@ def test_spherical_harmonics_derivatives_in_closed_form_equal_e3nn(lmax):
     for k, (a, b) in enumerate(zip(ours[:4], plain[:4])):
         a, b = (a, b) if k != 2 else (a[1:], b[1:])  # at r = 0 the plain second derivative is NaN (the norm's)
         torch.testing.assert_close(a, b, atol=1e-12 * b.abs().max().item(), rtol=1e-12, msg=f"derivative {k}")
+    for vectors in (vec[:0], vec[5]):  # no edges; one vector of shape [3]
+        shape = vectors.shape[:-1] + cotangent.shape[-1:]
+        c, d = cotangent[0].expand(shape), direction[0].expand(vectors.shape)
+        ours, theirs = _derivatives(sh, vectors, c, d), _derivatives(ref, vectors, c, d)
+        for a, b in zip(ours, theirs):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, atol=1e-10 * (b.abs().max().item() if b.numel() else 1), rtol=1e-10)
 
 
 def test_spherical_harmonics_constants_are_reproducible():
