@@ -1,7 +1,7 @@
 """Small irreps utilities used at construction time (never inside ``forward``)."""
 from __future__ import annotations
 
-from typing import List, Tuple, Union
+from typing import FrozenSet, List, Optional, Tuple, Union
 
 import torch
 from e3nn import o3
@@ -15,6 +15,15 @@ def as_irreps(value: IrrepsLike, name: str) -> o3.Irreps:
         return o3.Irreps(value)
     except (ValueError, TypeError, AssertionError) as exc:
         raise ValueError(f"{name} must be e3nn irreps (e.g. '8x0e + 4x1o'), got {value!r}") from exc
+
+
+def support(value: Optional[IrrepsLike], name: str, irreps: o3.Irreps) -> Optional[FrozenSet[Tuple[int, int]]]:
+    """The degrees and parities ``(l, p)`` of the irreps ``value`` (multiplicities ignored), None when ``value`` is
+    None or covers every irrep of ``irreps``."""
+    if value is None:
+        return None
+    kept = frozenset((ir.l, ir.p) for _, ir in as_irreps(value, name))
+    return None if all((ir.l, ir.p) in kept for _, ir in irreps) else kept
 
 
 def entries(irreps: o3.Irreps) -> List[Tuple[int, int, int]]:

@@ -20,7 +20,7 @@ from ._checks import (
     check_pos,
     check_radius_fits,
 )
-from ._irreps import IrrepsLike, as_irreps
+from ._irreps import IrrepsLike, as_irreps, support
 from .edge_geometry import Geometry, edge_geometry
 from .graph import radius_graph
 from .heads import MultiHeadDot, scale_heads, split_heads
@@ -101,6 +101,13 @@ class EquivariantAttention(torch.nn.Module):
             key and output irreps must be divisible by it.
         basis: radial basis, see :class:`~e3attn.radial.RadialEmbedding`.
         aggregation: ``"sqrt_alpha"`` (default) or ``"alpha"``.
+        input_support: the degrees and parities (irreps; multiplicities are ignored) in which the input can
+            be non-zero, e.g. ``"0e"`` for features embedded from scalars. The layer takes :math:`f` as zero in
+            its other irreps; where the kernels run it skips their paths and the keys that only a zero query
+            would read (:class:`~e3attn.node_contraction.NodeContraction`). Default: all of ``irreps_input``.
+        output_support: the degrees and parities of the output in use, e.g. ``"0e"`` where only scalars are
+            read; the output is zero in the other irreps, whose values are not computed where the kernels run.
+            Default: all of ``irreps_output``.
 
     Shapes:
         ``f [N, irreps_input.dim]``, ``pos [N, 3]``, ``edge_index [2, E]``,
@@ -132,6 +139,8 @@ class EquivariantAttention(torch.nn.Module):
         num_heads: int = 1,
         basis: str = "smooth_finite",
         aggregation: str = "sqrt_alpha",
+        input_support: Optional[IrrepsLike] = None,
+        output_support: Optional[IrrepsLike] = None,
     ) -> None:
         super().__init__()
         self.irreps_input = as_irreps(irreps_input, "irreps_input")
@@ -159,14 +168,25 @@ class EquivariantAttention(torch.nn.Module):
         self.radial = RadialMLP(number_of_basis, radial_neurons, self.tp.weight_numel)
         self.query = IrrepsLinear(self.irreps_input, self.irreps_query)
         self.dot = MultiHeadDot(self.irreps_query, self.irreps_key, num_heads)
-        self.nodes = NodeContraction(self.tp, self.dot, num_heads, self.radial.hidden)
+        self.input_support = support(input_support, "input_support", self.irreps_input)
+        self.output_support = support(output_support, "output_support", self.irreps_output)
+        # where the plain formulation zeroes f and the output outside the supports (bool: kept by .to(dtype))
+        for name, irreps, kept in (("_input_off", self.irreps_input, self.input_support),
+                                   ("_output_off", self.irreps_output, self.output_support)):
+            off = None if kept is None else torch.tensor(
+                [(ir.l, ir.p) not in kept for mul, ir in irreps for _ in range(mul * ir.dim)], dtype=torch.bool)
+            self.register_buffer(name, off, persistent=False)
+        self.nodes = NodeContraction(self.tp, self.dot, num_heads, self.radial.hidden,
+                                     input_support=self.input_support, output_support=self.output_support)
         self._output_sizes = [mul * ir.dim for mul, ir in self.irreps_output]
         self._attention_hooks: "OrderedDict[int, AttentionHook]" = OrderedDict()
 
     def extra_repr(self) -> str:
+        supports = "".join(f", {name}={o3.Irreps([(1, ir) for ir in sorted(support)])}" for name, support in (
+            ("input_support", self.input_support), ("output_support", self.output_support)) if support is not None)
         return (
             f"{self.irreps_input} -> {self.irreps_output}, query={self.irreps_query}, key={self.irreps_key}, "
-            f"max_radius={self.max_radius}, num_heads={self.num_heads}, aggregation={self.aggregation!r}"
+            f"max_radius={self.max_radius}, num_heads={self.num_heads}, aggregation={self.aggregation!r}{supports}"
         )
 
     def register_attention_hook(self, hook: AttentionHook) -> torch.utils.hooks.RemovableHandle:
@@ -221,7 +241,7 @@ class EquivariantAttention(torch.nn.Module):
             q, k, v, log_c = self._edge_terms(f, f, edge_vec, src, geometry)
             logits = (q.index_select(0, dst) * k).sum(-1) + log_c[:, None]  # [E, H]
             alpha, weight = self._attention_weights(logits, dst, num_nodes)
-            out = scatter_sum(scale_heads(v, weight, self._output_sizes), dst, num_nodes)
+            out = self._supported_output(scatter_sum(scale_heads(v, weight, self._output_sizes), dst, num_nodes))
 
         for hook in self._attention_hooks.values():
             hook(self, edge_index, alpha.detach())
@@ -288,8 +308,11 @@ class EquivariantAttention(torch.nn.Module):
     ):
         """Projected queries per node, keys and values per edge, and the log cutoff weights.
 
-        ``f_src`` are the source features of every edge, or with ``src`` the node features ``f_src[src]``.
+        ``f_src`` are the source features of every edge, or with ``src`` the node features ``f_src[src]``; both
+        zero outside ``input_support``.
         """
+        if self._input_off is not None:
+            f, f_src = f.masked_fill(self._input_off, 0.0), f_src.masked_fill(self._input_off, 0.0)
         sh, pre, log_c = self._geometry(edge_vec, geometry)
         k, v = self.tp.forward_factored(f_src, sh, self.radial.activate(pre), self.radial.output_layers(), index=src)
         q = self.dot.project_query(self.query(f))
@@ -347,7 +370,11 @@ class EquivariantAttention(torch.nn.Module):
         z = torch.where(z > 0, z, 1.0)
         weight = numerator / z if self.aggregation == "alpha" else (0.5 * (logits - m)).exp() * z.rsqrt()
         weighted = scale_heads(v, weight.reshape(n * n, h), self._output_sizes)
-        return weighted.reshape(n, n, weighted.shape[1]).sum(dim=1)
+        return self._supported_output(weighted.reshape(n, n, weighted.shape[1]).sum(dim=1))
+
+    def _supported_output(self, out: torch.Tensor) -> torch.Tensor:
+        """``out`` zero outside ``output_support`` (the plain formulation computes every value)."""
+        return out if self._output_off is None else out.masked_fill(self._output_off, 0.0)
 
 
 def _edge_vectors(pos: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:

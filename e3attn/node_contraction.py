@@ -1,13 +1,13 @@
 r"""Attention with the radial networks' last layers contracted at the nodes instead of on every edge."""
 from __future__ import annotations
 
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Set, Tuple
 
 import torch
 
 from .heads import MultiHeadDot, head_dot, head_index, head_outer
 from .kernels import eager_on_cpu
-from .kernels.layout import layout_for, padded_paths
+from .kernels.layout import layout_for, padded_paths, restricted_spec
 from .tensor_product import SphericalTensorProduct
 
 __all__ = ["NodeContraction"]
@@ -48,11 +48,22 @@ class NodeContraction(torch.nn.Module):
     buffers; the block tables stay on the CPU on every device): the layout of the keys and values per block of
     the product.
 
+    Both sums run over the paths :math:`p` of the product, and the work per edge grows with their number. Two
+    sets of degrees and parities :math:`(l, p)` leave some of them out (the layer's ``input_support`` and
+    ``output_support``). With ``input_support``, the paths from the other input irreps are dropped (those
+    inputs are taken as zero), and so are the keys' degrees outside it: the query, linear in :math:`f`, is
+    zero there, and so is :math:`Q_i`. With ``output_support``, the values of only those degrees are
+    computed; the output's other columns are zero. Each side then runs on the path features of its own
+    degrees (:func:`~e3attn.kernels.layout.restricted_spec`, ``specs``); every kept path keeps its
+    coefficient and its weights.
+
     Args:
         tp: the layer's product, outputs ``[keys, values]``.
         dot: the layer's query-key product (its head layout of the keys).
         num_heads: number of heads.
         hidden: hidden size of the radial networks.
+        input_support: ``(l, p)`` of the input irreps that can be non-zero (None: all).
+        output_support: ``(l, p)`` of the output irreps to compute (None: all).
 
     Example::
 
@@ -60,39 +71,64 @@ class NodeContraction(torch.nn.Module):
         >>> nodes = NodeContraction(tp, MultiHeadDot("2x0e + 2x1o", "2x0e + 2x1o"), num_heads=1, hidden=8)
         >>> nodes.num_paths  # per edge: 4 + 2 paths into 0e, (4 + 2) x 3 components into 1o
         24
+        >>> scalar_input = NodeContraction(tp, MultiHeadDot("2x0e + 2x1o", "2x0e + 2x1o"), num_heads=1, hidden=8,
+        ...                                input_support={(0, 1)})
+        >>> [layout_for(spec).num_paths for spec in scalar_input.specs]  # keys: 4 into 0e; values: also 4 x 3 into 1o
+        [4, 16]
     """
 
-    def __init__(self, tp: SphericalTensorProduct, dot: MultiHeadDot, num_heads: int, hidden: int) -> None:
+    def __init__(self, tp: SphericalTensorProduct, dot: MultiHeadDot, num_heads: int, hidden: int, *,
+                 input_support: Optional[Set[Tuple[int, int]]] = None,
+                 output_support: Optional[Set[Tuple[int, int]]] = None) -> None:
         super().__init__()
-        layout = layout_for(tp._spec)
-        self.spec, self.num_heads, self.hidden, self.num_paths = tp._spec, num_heads, hidden, layout.num_paths
+        self.spec, self.num_heads, self.hidden = tp._spec, num_heads, hidden
+        self.num_paths = layout_for(tp._spec).num_paths
+        # the path features of each side: from the inputs that can be non-zero, into the degrees that the side
+        # reads (the keys: where the query can be non-zero; the values: the outputs in use)
+        inputs = [a for a, (_, l, p) in enumerate(tp._in) if input_support is None or (l, p) in input_support]
+        sides = [input_support, output_support]
+        self.specs = tuple(
+            tp._spec if len(inputs) == len(tp._in) and support is None else restricted_spec(
+                tp._spec, inputs, [g for g, lp in enumerate(tp._groups) if support is None or lp in support])
+            for support in sides)
         key_dim = tp.irreps_outs[0].dim
         # position of every key column in the flattened [heads, D] layout of ``dot.key_heads``
         columns = dot.key_heads(torch.arange(key_dim, dtype=torch.float64)[None])[0].long().reshape(-1)
         key_position = torch.empty(key_dim, dtype=torch.long)
         key_position[columns] = torch.arange(key_dim)
         heads_of = [key_position // max(1, key_dim // num_heads), head_index(tp.irreps_outs[1], num_heads)]
-        tables: List[List[List[int]]] = [[], []]
-        z_index: List[List[torch.Tensor]] = [[], []]
-        l_index: List[List[torch.Tensor]] = [[], []]
-        for t, poff, k, dim_l, width, woff, coff in layout.blocks.tolist():
-            first = torch.as_tensor(layout.channels[coff : coff + width]) - layout.out_offsets[t]
-            order = torch.argsort(heads_of[t][first] * width + torch.arange(width)).reshape(num_heads, -1)
-            cols = first[order][..., None] + torch.arange(dim_l)  # [heads, W / heads, 2l+1]
-            tables[t].append([poff, k, dim_l, width // num_heads, sum(map(len, l_index[t])), sum(map(len, z_index[t]))])
-            z_index[t].append((key_position[cols] if t == 0 else cols).reshape(-1))
-            # L[h, woff + k W + w] at [heads, W / heads, hidden, K]
-            numel = layout.weight_numel[t]
-            l_index[t].append((torch.arange(hidden)[:, None] * numel + woff + torch.arange(k)[None, :] * width
-                               + order[:, :, None, None]).reshape(-1))
         self._dims = []
         for t, name in enumerate(("key", "value")):
-            cat = [torch.cat(ix) if ix else torch.zeros(0, dtype=torch.long) for ix in (z_index[t], l_index[t])]
+            layout = layout_for(self.specs[t])
+            table: List[List[int]] = []
+            z_index: List[torch.Tensor] = []
+            l_index: List[torch.Tensor] = []
+            row = 0
+            for side, poff, k, dim_l, width, woff, coff in layout.blocks.tolist():
+                rows = torch.as_tensor(layout.rows[row : row + k])
+                row += k
+                if side != t:
+                    continue
+                first = torch.as_tensor(layout.channels[coff : coff + width]) - layout.out_offsets[t]
+                order = torch.argsort(heads_of[t][first] * width + torch.arange(width)).reshape(num_heads, -1)
+                cols = first[order][..., None] + torch.arange(dim_l)  # [heads, W / heads, 2l+1]
+                table.append([poff, k, dim_l, width // num_heads, sum(map(len, l_index)), sum(map(len, z_index))])
+                z_index.append((key_position[cols] if t == 0 else cols).reshape(-1))
+                # L[h, woff + row(k) W + w] at [heads, W / heads, hidden, K]
+                numel = layout.weight_numel[t]
+                l_index.append((torch.arange(hidden)[:, None] * numel + woff + rows[None, :] * width
+                                + order[:, :, None, None]).reshape(-1))
+            if t == 1:  # the output's columns of no block (outside output_support) last: no block writes them
+                covered = torch.zeros(tp.irreps_outs[1].dim, dtype=torch.bool)
+                for ix in z_index:
+                    covered[ix] = True
+                z_index.append(torch.nonzero(~covered)[:, 0])
+            cat = [torch.cat(ix) if ix else torch.zeros(0, dtype=torch.long) for ix in (z_index, l_index)]
             self.register_buffer(f"_{name}_columns", cat[0], persistent=False)
             self.register_buffer(f"_{name}_weights", cat[1], persistent=False)
-            self.register_buffer(f"_{name}_blocks", torch.tensor(tables[t], dtype=torch.long).reshape(-1, 6),
+            self.register_buffer(f"_{name}_blocks", torch.tensor(table, dtype=torch.long).reshape(-1, 6),
                                  persistent=False)
-            self._dims.append([num_heads, hidden, padded_paths(self.num_paths), cat[0].numel(), cat[1].numel()])
+            self._dims.append([num_heads, hidden, padded_paths(layout.num_paths), cat[0].numel(), cat[1].numel()])
         self.register_buffer("_value_order", torch.argsort(self._value_columns), persistent=False)
 
     def _apply(self, fn, recurse: bool = True):
@@ -114,7 +150,7 @@ class NodeContraction(torch.nn.Module):
         from .kernels import segment_ops  # imports numba: only where the kernels run
 
         call = segment_ops.call
-        y = call(segment_ops.path_features, self.spec, f, index, sh)
+        y = call(segment_ops.path_features, self.specs[0], f, index, sh)
         zk = q.flatten(1).index_select(1, self._key_columns)
         lk = linear[0].reshape(-1).index_select(0, self._key_weights)
         t = call(segment_ops.node_expand, y, None, zk, lk, self._key_blocks, rowptr, self._dims[0])[0]  # [E, J]
@@ -126,6 +162,8 @@ class NodeContraction(torch.nn.Module):
         logits = dot(t, hidden[0]) + log_c[:, None]
         alpha, beta = weight_fn(logits)
         a = outer(beta, hidden[1])
+        if self.specs[1] != self.specs[0]:
+            y = call(segment_ops.path_features, self.specs[1], f, index, sh)
         lv = linear[1].reshape(-1).index_select(0, self._value_weights)
         out = call(segment_ops.node_outer, a, y, lv, None, self._value_blocks, rowptr, self._dims[1])[0]
         return out.index_select(1, self._value_order), alpha

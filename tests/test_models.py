@@ -135,6 +135,25 @@ def test_layer_norm_equivariant_and_keeps_symmetry_zeros_small():
     assert norm(x)[:, 4:6].abs().max() < 1e-11
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_layer_norm_in_half_precision_has_finite_gradients_at_zero_vectors(dtype):
+    """Features whose non-scalar channels are all zero (an atom without neighbours, the vectors of a first block
+    fed scalars): in half precision the derivative of the root mean square at zero, eps^(-3/2), overflowed and
+    the gradients were NaN. Now as float64's, to the dtype's precision."""
+    torch.manual_seed(0)
+    norm = EquivariantLayerNorm("4x0e + 2x1o")
+    x = torch.cat([torch.randn(3, 4), torch.zeros(3, 6)], dim=1)
+    grads = []
+    for d in (dtype, torch.float64):
+        xd = x.to(d).requires_grad_(True)
+        out = norm.to(d)(xd)
+        assert out.dtype == d
+        grad, = torch.autograd.grad((out[:, :4] ** 2).sum() + out[:, 4:].sum(), xd)
+        grads.append(grad.double())
+    assert bool(torch.isfinite(grads[0]).all())
+    torch.testing.assert_close(grads[0], grads[1], atol=20 * torch.finfo(dtype).eps * grads[1].abs().max(), rtol=0)
+
+
 def test_layer_norm_rejects_bad_input():
     with pytest.raises(ValueError, match="eps"):
         EquivariantLayerNorm("2x0e", eps=0.0)

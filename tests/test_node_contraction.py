@@ -146,6 +146,38 @@ def test_one_node_pass_gives_every_output_at_once():
     assert (y[:, 13:] != 0).all()
 
 
+def test_node_operators_with_more_rows_than_paths(backend):
+    """With more rows ``heads * hidden`` (16) than paths (8), the numba kernel contracts the edges along the rows
+    (buf's transpose): every output equals its definition, and gradcheck and gradgradcheck pass."""
+    heads, hidden, paths = 2, 8, 8
+    blocks = torch.tensor([[0, 2, 1, 1, 0, 0], [2, 2, 3, 1, 32, 2]])  # 2 paths into 0e, 2 x 3 into 1o
+    dims = [heads, hidden, paths, 8, 64]
+    degrees = torch.tensor([3, 0, 5, 1])
+    rowptr, dst = _graph(degrees)
+    g = torch.Generator().manual_seed(5)
+    y, a, z, lt = (torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+                   for shape in ((9, paths), (9, heads * hidden), (4, dims[3]), (dims[4],)))
+    q = z.new_zeros(4, heads, hidden, paths)
+    for poff, k, dim_l, width, loff, zoff in blocks.tolist():
+        zb = z[:, zoff : zoff + heads * width * dim_l].reshape(-1, heads, width, dim_l)
+        lb = lt[loff : loff + heads * width * hidden * k].reshape(heads, width, hidden, k)
+        q[..., poff : poff + k * dim_l] = torch.einsum("nawm,awhk->nahmk", zb, lb).reshape(-1, heads, hidden, k * dim_l)
+    q = q.reshape(4, heads * hidden, paths)
+    t, r = segment_ops.node_expand(y, a, z, lt, blocks, rowptr, dims)
+    torch.testing.assert_close(t, (y[:, None, :] * q[dst]).sum(-1), atol=1e-13, rtol=0)
+    torch.testing.assert_close(r, (a[:, :, None] * q[dst]).sum(1), atol=1e-13, rtol=0)
+    u = torch.zeros(4, heads * hidden, paths, dtype=torch.float64).index_add(0, dst, a[:, :, None] * y[:, None])
+    o, glt = segment_ops.node_outer(a, y, lt, z, blocks, rowptr, dims)
+    ref_o, ref_glt = torch.autograd.grad((q * u.detach()).sum(), [z, lt])  # R: adjoint of E; X: gradient in L
+    torch.testing.assert_close(o, ref_o, atol=1e-13, rtol=0)
+    torch.testing.assert_close(glt, ref_glt, atol=1e-13, rtol=0)
+    fast = backend == "triton"
+    for fn, args in ((lambda *x: segment_ops.node_expand(*x, blocks, rowptr, dims), (y, a, z, lt)),
+                     (lambda *x: segment_ops.node_outer(*x, blocks, rowptr, dims), (a, y, lt, z))):
+        assert torch.autograd.gradcheck(fn, args, fast_mode=fast)
+        assert torch.autograd.gradgradcheck(fn, args, fast_mode=fast)
+
+
 @pytest.mark.parametrize("route", ["dispatcher", "eager"])
 def test_node_operators_gradcheck_and_gradgradcheck(route, backend):
     rowptr, _ = _graph(torch.tensor([2, 0, 3]))

@@ -17,8 +17,10 @@ components, ``blocks`` rows ``(path offset, K, 2l+1, channels per head, L offset
 :math:`a`, channel :math:`w` and component :math:`m`, :math:`Q_i[aH + h, g + mK + k] \mathrel{+}=
 z_i[a, w, m]\, L[a, w, h, k]`, run along rows of ``hidden * K`` numbers (``_scratch``). The path features
 are laid out (group, component, path) to match. The edge contractions run in the register-blocked loops
-of :mod:`e3attn.kernels.cpu` along the contiguous path axis. Every kernel writes only its own nodes' rows
-(and the gradient of :math:`L` into its group's buffer), so results do not depend on the number of threads.
+of :mod:`e3attn.kernels.cpu` along the contiguous path axis, or, where there are fewer paths than rows (e.g. a
+block that reads only scalars: 16 paths, 64 rows), along the rows of the matrix's transpose: the vectorised
+loops then run over 64 numbers instead of 16. Every kernel writes only its own nodes' rows (and the gradient
+of :math:`L` into its group's buffer), so results do not depend on the number of threads.
 
 :func:`path_features` computes :math:`y_e = P(x_{\mathrm{src}(e)}, Y_e)` or its gradients in tiles of edges,
 edges last, in the same loops; :func:`add_rows` sums the gradients of the gathered rows per source node.
@@ -99,6 +101,15 @@ def _adjoints(buf, lt, z, blocks, heads, hidden, tmp, out, glt):
                      dim_l, i1, size)
 
 
+@numba.njit(**_JIT)
+def _transpose(src, dst):
+    """``dst[q, p] = src[p, q]``."""
+    for p in range(src.shape[0]):
+        row = src[p]
+        for q in range(src.shape[1]):
+            dst[q, p] = row[q]
+
+
 # ------------------------------------------------------------------ kernels: one pass over the nodes of a group
 
 
@@ -117,6 +128,11 @@ def node_pass(y, a, z, lt, blocks, heads, hidden, rowptr, gi, groups, out_t, out
     zero = np.zeros(1, z.dtype)[0]
     buf, tmp, none = np.zeros((width, paths), z.dtype), _scratch(blocks, hidden, z), np.empty(0, z.dtype)
     want_t, want_r, want_o, want_g = out_t.shape[0] > 0, out_r.shape[0] > 0, out_o.shape[0] > 0, glt_groups.shape[0] > 0
+    # the edge contractions run along the longer axis of Q_i, U_i: the paths, or (few paths) the rows, on
+    # buf's transpose, as the rows of the edges' a [E, J], t [E, J] and the flat y [E P], r [E P]
+    by_rows = width > paths
+    rows = np.zeros((paths, width) if by_rows else (0, 0), z.dtype)
+    a_rows, t_rows, y_flat, r_flat = a.reshape(-1, width), out_t.reshape(-1, width), y.reshape(-1), out_r.reshape(-1)
     if want_g:
         glt_groups[gi] = 0.0
     for i in range(gi * nodes // groups, (gi + 1) * nodes // groups):
@@ -129,15 +145,28 @@ def node_pass(y, a, z, lt, blocks, heads, hidden, rowptr, gi, groups, out_t, out
             if want_o or want_g:  # buf held the last node's U_i: clear the columns that no block writes
                 buf[:, :] = 0.0
             _expand(buf, z[i], lt, blocks, heads, hidden, tmp)
+            if by_rows:
+                _transpose(buf, rows)
             if want_t:
                 out_t[start * width : stop * width] = 0.0
-                _dots(out_t, start * width, width, y, start, stop - start, buf, width, paths, zero)
+                if by_rows:
+                    _mac(t_rows, start, stop - start, rows, i0, paths, y_flat, start * paths, paths, i1, width)
+                else:
+                    _dots(out_t, start * width, width, y, start, stop - start, buf, width, paths, zero)
             if want_r:
                 out_r[start:stop] = 0.0
-                _mac(out_r, start, stop - start, buf, i0, width, a, start * width, width, i1, paths)
+                if by_rows:
+                    _dots(r_flat, start * paths, paths, a_rows, start, stop - start, rows, paths, width, zero)
+                else:
+                    _mac(out_r, start, stop - start, buf, i0, width, a, start * width, width, i1, paths)
         if want_o or want_g:
-            buf[:, :] = 0.0
-            _mac(buf, i0, width, y, start, stop - start, a, start * width, i1, width, paths)
+            if by_rows:
+                rows[:, :] = 0.0
+                _mac(rows, i0, paths, a_rows, start, stop - start, y_flat, start * paths, i1, paths, width)
+                _transpose(rows, buf)
+            else:
+                buf[:, :] = 0.0
+                _mac(buf, i0, width, y, start, stop - start, a, start * width, i1, width, paths)
             _adjoints(buf, lt, z[i] if want_g else none, blocks, heads, hidden, tmp, out_o[i] if want_o else none,
                       glt_groups[gi] if want_g else none)
 

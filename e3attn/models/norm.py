@@ -97,14 +97,18 @@ class EquivariantLayerNorm(Float64ConstantsModule):
             check_dtype(x, "x", self.weight.dtype, "the module")
         if self._dim == 0:
             return x
-        # in x's dtype (promoted with the weights'), never in autocast's lower precision: the products are sums
+        # returned in x's dtype (promoted with the weights'), computed in float32 at least, never in autocast's
+        # lower precision: the products are sums, and in half precision the derivative of rsqrt(rho^2 + eps) at
+        # zero features, eps^(-3/2), overflows (NaN gradients)
         dtype = torch.promote_types(x.dtype, self.weight.dtype) if self.affine else x.dtype
+        work = torch.promote_types(dtype, torch.float32)
         with torch.autocast(x.device.type, enabled=False):
-            x = x.to(dtype)
+            x = x.to(work)
             if self._num_even:
-                x = x - (x @ self.constant("moments", dtype)[:, :1]) * self.constant("even", dtype)
-            scale = torch.rsqrt((x * x) @ self.constant("moments", dtype) + self.eps) @ self.constant("spread", dtype)
+                x = x - (x @ self.constant("moments", work)[:, :1]) * self.constant("even", work)
+            scale = torch.rsqrt((x * x) @ self.constant("moments", work) + self.eps) @ self.constant("spread", work)
             if not self.affine:
-                return x * scale
-            x = x * (scale * (self.weight @ self.constant("weight_columns", dtype)))
-            return x + self.bias @ self.constant("bias_columns", dtype) if self._num_even else x
+                return (x * scale).to(dtype)
+            x = x * (scale * (self.weight.to(work) @ self.constant("weight_columns", work)))
+            out = x + self.bias.to(work) @ self.constant("bias_columns", work) if self._num_even else x
+            return out.to(dtype)

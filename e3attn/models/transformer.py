@@ -2,7 +2,7 @@ r"""A complete equivariant transformer: attention blocks with gates, self-intera
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from e3nn import o3
@@ -130,6 +130,16 @@ class EquivariantTransformer(torch.nn.Module):
     (``sqrt_alpha`` aggregation). The defaults (no density, layer norm, identity residual) are the model of
     e3attn 0.1, so checkpoints written without these options load as they were saved.
 
+    The model skips work that cannot change its output. The first block's input is embedded from ``x`` and
+    the node attributes, so it is zero in every irrep of another degree or parity: that block's attention
+    takes ``input_support`` = those irreps (and ``0e``), and runs none of the paths from the others (for scalar
+    inputs, only the paths from its scalars, and only the keys of degree 0: the query is zero elsewhere). When
+    the output is only even scalars (an energy), the last block's attention takes ``output_support="0e"``:
+    the layer norm and the gate leave the even scalars independent of every other irrep, so only those values
+    are computed and the others are zero (a forward hook on that block sees them zero). The model's outputs and
+    all their derivatives are those of the whole computation (tested to rounding); the parameters are the same,
+    so checkpoints are unaffected.
+
     The graph is built once per call (the radius graph of ``pos`` in each graph of
     ``batch``) unless ``edge_index`` (and for periodic systems ``edge_vec``, see
     :func:`~e3attn.radius_graph_pbc` and :func:`~e3attn.models.edge_vectors`) is given.
@@ -223,14 +233,17 @@ class EquivariantTransformer(torch.nn.Module):
         self.reduce = reduce
         irreps_embed = self.irreps_in if self.irreps_node_attr is None else self.irreps_in + self.irreps_node_attr
         self.embedding = IrrepsLinear(irreps_embed, self.irreps_hidden)
+        input_support, output_support = _supports(irreps_embed, self.irreps_out)
         self.layers = torch.nn.ModuleList(
             _Block(
                 self.irreps_hidden, self.irreps_key, max_radius, num_heads=num_heads, lmax=lmax,
                 number_of_basis=number_of_basis, radial_neurons=radial_neurons, basis=basis,
                 density_channels=density_channels, avg_num_neighbors=avg_num_neighbors, layer_norm=layer_norm,
                 irreps_skip=self.irreps_node_attr if self_connection == "node_attr" else None,
+                input_support=input_support if t == 0 else None,
+                output_support=output_support if t == num_layers - 1 else None,
             )
-            for _ in range(num_layers)
+            for t in range(num_layers)
         )
         self.max_radius = self.layers[0].attention.max_radius
         self.output = IrrepsLinear(self.irreps_hidden, self.irreps_out)
@@ -324,6 +337,20 @@ class EquivariantTransformer(torch.nn.Module):
             count = scatter_sum(torch.ones_like(out[:, :1]), batch.long(), num_graphs)
             pooled = pooled / count.clamp(min=1)
         return pooled
+
+
+def _supports(irreps_embed: o3.Irreps, irreps_out: o3.Irreps) -> Tuple[o3.Irreps, Optional[o3.Irreps]]:
+    """The irreps in which the first block's input can be non-zero, and those of the last block's attention that
+    can reach the output (None: all).
+
+    The embedding and every linear map keep the degree and parity, and the pre-norm adds only to even scalars:
+    the first block's input is zero outside the irreps of the embedding's input and ``0e``. Even scalars of the
+    output depend only on even scalars (the layer norm treats them apart from the rest, the gate's scalars do not
+    read its gates): the output of an energy model reads only the ``0e`` of the last block's attention.
+    """
+    input_support = o3.Irreps([(1, ir) for _, ir in irreps_embed] + [(1, "0e")])
+    only_even_scalars = all(ir == o3.Irrep("0e") for _, ir in irreps_out)
+    return input_support, o3.Irreps("0e") if only_even_scalars else None
 
 
 def _unpack(data: Any):
