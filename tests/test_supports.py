@@ -182,3 +182,18 @@ def test_model_supports_follow_its_inputs_and_outputs():
     vectors = _model(True, irreps_in="1x0e + 1x1o", irreps_out="1x0e + 1x1o", num_layers=1)
     assert vectors.layers[0].attention.input_support == {(0, 1), (1, -1)}
     assert vectors.layers[0].attention.output_support is None
+
+
+def test_a_support_that_keeps_no_path(float64_default):
+    """An input support without any irrep of the input: the layer's output and its gradients are zero on both
+    formulations (no path is left: the kernels run on empty layouts), and a model whose hidden irreps the embedding
+    cannot reach runs, with the whole model's zero energy."""
+    layer = _layer("2e", None)
+    pos = torch.randn(10, 3, generator=torch.Generator().manual_seed(6))
+    f = torch.randn(10, layer.irreps_input.dim)
+    for run in (lambda: _force_step(layer, f, pos), lambda: plain(lambda: _force_step(layer, f, pos))):
+        out, grad, _ = run()
+        assert not out.any() and not grad.any()
+    model = EquivariantTransformer("1x0e", "2x0o + 2x1o", "0e", 2.0, reduce="sum", num_layers=2)
+    assert model.layers[0].attention.input_support == {(0, 1)}  # none of the hidden irreps
+    assert not model(pos).any()  # (nothing reaches the output from the positions either)

@@ -105,7 +105,7 @@ def kernel_layout(tp, inputs: Optional[Sequence[int]] = None, groups: Optional[S
     blocks, channels, rows = [], [], []
     for t, blocks_t in enumerate(tp._blocks):
         for blk, weight_offset in zip(blocks_t, tp._block_offsets[t]):
-            if not k_kept[blk.g]:
+            if blk.g not in kept_groups:
                 continue
             first = [0] * blk.width
             for mul, start, row in blk.members:
@@ -181,6 +181,7 @@ def component_major_paths(spec: str) -> Tuple[np.ndarray, int]:
     starts = np.asarray([g[0] for g in groups] + [layout.num_paths], dtype=np.int64)
     p = np.arange(layout.num_paths, dtype=np.int64)
     g = np.searchsorted(starts, p, side="right") - 1
-    kdim, dim_l = np.asarray([x[1] for x in groups])[g], np.asarray([x[2] for x in groups])[g]
+    kdim = np.asarray([x[1] for x in groups], dtype=np.int64)[g]
+    dim_l = np.asarray([x[2] for x in groups], dtype=np.int64)[g]
     local = p - starts[g]
     return starts[g] + (local % dim_l) * kdim + local // dim_l, padded_paths(layout.num_paths)

@@ -138,7 +138,9 @@ class EquivariantTransformer(torch.nn.Module):
     the layer norm and the gate leave the even scalars independent of every other irrep, so only those values
     are computed and the others are zero (a forward hook on that block sees them zero). The model's outputs and
     all their derivatives are those of the whole computation (tested to rounding); the parameters are the same,
-    so checkpoints are unaffected.
+    so checkpoints are unaffected. The supports follow ``irreps_in``, ``irreps_node_attr`` and ``irreps_out`` when
+    the model is built: to read other irreps of the last block (a new output head for vectors, say), build the
+    model with those ``irreps_out`` and load the weights.
 
     The graph is built once per call (the radius graph of ``pos`` in each graph of
     ``batch``) unless ``edge_index`` (and for periodic systems ``edge_vec``, see
