@@ -90,9 +90,10 @@ class VerletList:
         edge_index, shifts = self._candidates
         if self.skin == 0 or not self.prune:
             return edge_index, shifts
-        vec = pos[edge_index[0]] - pos[edge_index[1]] + shifts @ lattice
+        # index_select, not advanced indexing (several times slower on the CPU for ~10^5 candidates)
+        vec = pos.index_select(0, edge_index[0]) - pos.index_select(0, edge_index[1]) + shifts @ lattice
         keep = ((vec * vec).sum(1) < self.r_max**2).nonzero()[:, 0]
-        return edge_index[:, keep], shifts[keep]
+        return edge_index.index_select(1, keep), shifts.index_select(0, keep)
 
     def _follow(self, positions: np.ndarray, cell: np.ndarray, pbc: np.ndarray) -> bool:
         """Whether the candidates still hold every edge: takes wrapped atoms' jumps into the candidates' shifts."""
