@@ -10,7 +10,9 @@ with :math:`a \sim N(0, 0.1\,\text{Å})`, periods of 105 to 195 fs and random ph
 at 300 K vibrates about 0.1 Å and moves about 0.003 Å per fs). The calculator with the default skin and
 with ``skin=0`` (a new neighbour search every call) run in turns, ``--calls`` steps at a time, ``--repeats``
 times; the table gives the medians of the per-call times of these turns, the time per atom and call, the
-atom-steps per second and the searches per call. ``--mace`` adds MACE's calculator (32x0e + 32x1o, two
+atom-steps per second and the searches per call, and, over ``--calls`` more calls with the skin, the process's
+minor page faults and system CPU time per call (memory that the allocator gave back to the system and a call
+faulted in again; see the Performance page on glibc's thresholds). ``--mace`` adds MACE's calculator (32x0e + 32x1o, two
 interactions, correlation 3, r_max 4, untrained) on the same frames, run by ``--mace-python`` (a Python with
 ``mace-torch``, which pins its own e3nn: see ``benchmarks/README.md``) in a subprocess.
 
@@ -114,7 +116,7 @@ def measure_e3attn(num_atoms: int, model: torch.nn.Module, args) -> dict:
 
     seconds = per_call_seconds(run_steps, args.repeats, args.calls, args.warmup, list(runs), args.clock)
     skin = runs["skin"]["atoms"].calc
-    return {
+    row = {
         "atoms": num_atoms,
         "edges": _edges(skin, runs["skin"]["atoms"]),
         "skin_s": seconds["skin"],
@@ -122,6 +124,23 @@ def measure_e3attn(num_atoms: int, model: torch.nn.Module, args) -> dict:
         "searches_per_call": skin.neighbour_list.builds / runs["skin"]["t"],
         "replays_per_call": skin._replayed.replays / runs["skin"]["t"] if skin._replayed is not None else 0.0,
     }
+    row["page_faults_per_call"], row["system_s_per_call"] = page_faults(lambda: run_steps("skin", args.calls),
+                                                                        args.calls)
+    return row
+
+
+def page_faults(run, calls: int):
+    """The process's minor page faults and system CPU seconds per call of ``run()`` (``calls`` calls): memory
+    that the allocator gave back to the system and the next call faults in again (None, None where the platform
+    does not count them)."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return None, None
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    run()
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return (after.ru_minflt - before.ru_minflt) / calls, (after.ru_stime - before.ru_stime) / calls
 
 
 def _edges(calc: E3AttnCalculator, atoms) -> int:
@@ -241,13 +260,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def format_table(rows: List[dict]) -> str:
-    lines = ["| atoms | edges | skin: ms/call | us/atom | atom-steps/s | searches/call | no skin: ms/call | MACE: ms/call |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| atoms | edges | skin: ms/call | us/atom | atom-steps/s | searches/call | page faults/call | "
+             "system ms/call | no skin: ms/call | MACE: ms/call |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mace = f"{r['mace_s'] * 1e3:,.1f}" if r.get("mace_s") else "-"
+        faults = f"{r['page_faults_per_call']:,.0f}" if r.get("page_faults_per_call") is not None else "-"
+        system = f"{r['system_s_per_call'] * 1e3:,.1f}" if r.get("system_s_per_call") is not None else "-"
         lines.append(f"| {r['atoms']:,} | {r['edges']:,} | {r['skin_s'] * 1e3:,.2f} | {r['skin_s'] * 1e6 / r['atoms']:.1f} "
-                     f"| {r['atoms'] / r['skin_s']:,.0f} | {r['searches_per_call']:.2f} | {r['no_skin_s'] * 1e3:,.2f} "
-                     f"| {mace} |")
+                     f"| {r['atoms'] / r['skin_s']:,.0f} | {r['searches_per_call']:.2f} | {faults} | {system} "
+                     f"| {r['no_skin_s'] * 1e3:,.2f} | {mace} |")
     return "\n".join(lines)
 
 
