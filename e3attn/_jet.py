@@ -69,6 +69,18 @@ def transformed(grad: torch.Tensor) -> bool:
             or torch._C._functorch.is_legacy_batchedtensor(grad))
 
 
+def plain_gradient(plain: Callable, x: torch.Tensor, cotangents: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+    """The closed forms' fallback for batched gradients: :math:`\sum_j \partial_x \langle g_j, \mathrm{plain}(x)_j
+    \rangle` by autograd of the plain formula (a missing cotangent ``g_j`` is zero); differentiable again where
+    grad mode is on."""
+    with torch.enable_grad():
+        outputs = plain(x)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    gs = [torch.zeros_like(o) if g is None else g for g, o in zip(cotangents, outputs)]
+    (gx,) = torch.autograd.grad(outputs, x, gs, create_graph=torch.is_grad_enabled())
+    return gx
+
+
 def plain_second_derivatives(plain: Callable, x: torch.Tensor, cotangents: Sequence[Optional[torch.Tensor]],
                              u: torch.Tensor) -> Tuple[List[Optional[torch.Tensor]], torch.Tensor]:
     r"""The closed forms' fallback: the derivatives along ``u`` of the gradient :math:`\sum_j \partial_x
@@ -91,7 +103,7 @@ def plain_second_derivatives(plain: Callable, x: torch.Tensor, cotangents: Seque
     return [grads.pop(0) if g is not None and g.requires_grad else None for g in cotangents], gx
 
 
-def _working(x: torch.Tensor) -> torch.Tensor:
+def working(x: torch.Tensor) -> torch.Tensor:
     """``x`` in float32 if it is in a reduced precision, else itself."""
     return x.float() if x.dtype in _REDUCED else x
 
@@ -112,7 +124,7 @@ class _Value(torch.autograd.Function):
         # outside autocast, and in float32 at least: a formula in bfloat16 operations (several rounded steps of a
         # derivative) loses digits that autograd's fused derivatives keep
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
-            f, d1, d2 = derivatives(_working(x), _SECOND.get())
+            f, d1, d2 = derivatives(working(x), _SECOND.get())
         f = f.to(x.dtype)
         ctx.save_for_backward(x, d1, d2)
         ctx.functions = plain, derivatives
@@ -123,9 +135,7 @@ class _Value(torch.autograd.Function):
         x, d1, d2 = ctx.saved_tensors
         plain, derivatives = ctx.functions
         if transformed(g):  # batched gradients (is_grads_batched, vmap): of the plain formula
-            with torch.enable_grad():
-                (gx,) = torch.autograd.grad(plain(x), x, g, create_graph=torch.is_grad_enabled())
-            return gx, None, None
+            return plain_gradient(plain, x, (g,)), None, None
         return _Gradient.apply(g, x, d1, d2, plain, derivatives), None, None
 
 
@@ -146,5 +156,5 @@ class _Gradient(torch.autograd.Function):
             (gg,), gx = plain_second_derivatives(plain, x, (g,), u)
             return gg, gx, None, None, None, None
         if d2 is None:  # left out by first_derivatives_only
-            d2 = derivatives(_working(x), True)[2]
+            d2 = derivatives(working(x), True)[2]
         return _along(u, d1), u * _sum_trailing(g * d2, x), None, None, None, None

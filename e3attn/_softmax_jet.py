@@ -28,7 +28,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from ._jet import closed_forms_apply, plain_second_derivatives, transformed
+from ._jet import closed_forms_apply, plain_gradient, plain_second_derivatives, transformed
 
 __all__ = ["softmax_with_closed_form_derivatives"]
 
@@ -78,11 +78,7 @@ class _Softmax(torch.autograd.Function):
         src, index, alpha, beta = ctx.saved_tensors
         num_segments, plain, segment_sum = ctx.functions
         if any(g is not None and transformed(g) for g in (g_alpha, g_beta)):  # batched: of the plain formula
-            with torch.enable_grad():
-                outputs = plain(src)
-            grads = [g if g is not None else torch.zeros_like(o) for g, o in zip((g_alpha, g_beta), outputs)]
-            (g_s,) = torch.autograd.grad(outputs, src, grads, create_graph=torch.is_grad_enabled())
-            return g_s, None, None, None, None
+            return plain_gradient(plain, src, (g_alpha, g_beta)), None, None, None, None
         g_s = _Gradient.apply(g_alpha, g_beta, src, index, alpha.detach(), beta.detach(), num_segments, plain,
                               segment_sum)
         return g_s, None, None, None, None

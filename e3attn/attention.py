@@ -312,7 +312,9 @@ class EquivariantAttention(torch.nn.Module):
         zero outside ``input_support``.
         """
         if self._input_off is not None:
-            f, f_src = f.masked_fill(self._input_off, 0.0), f_src.masked_fill(self._input_off, 0.0)
+            same = f_src is f
+            f = f.masked_fill(self._input_off, 0.0)
+            f_src = f if same else f_src.masked_fill(self._input_off, 0.0)
         sh, pre, log_c = self._geometry(edge_vec, geometry)
         k, v = self.tp.forward_factored(f_src, sh, self.radial.activate(pre), self.radial.output_layers(), index=src)
         q = self.dot.project_query(self.query(f))

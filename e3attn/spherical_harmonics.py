@@ -10,7 +10,7 @@ from e3nn import o3
 
 from ._checks import check_floating, check_int
 from ._constants import Float64ConstantsModule
-from ._jet import closed_forms_apply, plain_second_derivatives, transformed
+from ._jet import closed_forms_apply, plain_gradient, plain_second_derivatives, transformed, working
 
 __all__ = ["SphericalHarmonics"]
 
@@ -188,8 +188,7 @@ class _Value(torch.autograd.Function):
     @staticmethod
     def forward(ctx, vectors, module):
         with torch.no_grad(), torch.autocast(vectors.device.type, enabled=False):
-            v = vectors.reshape(-1, 3)
-            v = v.float() if v.dtype in (torch.float16, torch.bfloat16) else v
+            v = working(vectors.reshape(-1, 3))
             r = v.norm(dim=-1, keepdim=True)
             s = r.clamp_min(_EPS)
             u = v / s
@@ -206,10 +205,7 @@ class _Value(torch.autograd.Function):
     def backward(ctx, g):
         vectors, monomials, uf, s, far, ly = ctx.saved_tensors
         if transformed(g):  # batched gradients (is_grads_batched, vmap): of the plain formula
-            with torch.enable_grad():
-                (gv,) = torch.autograd.grad(ctx.module._plain(vectors), vectors, g,
-                                            create_graph=torch.is_grad_enabled())
-            return gv, None
+            return plain_gradient(ctx.module._plain, vectors, (g,)), None
         return _Gradient.apply(g, vectors, monomials, uf, s, far, ly, ctx.module), None
 
 
