@@ -70,7 +70,7 @@ def transformed(grad: torch.Tensor) -> bool:
 
 
 def plain_gradient(plain: Callable, x: torch.Tensor, cotangents: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
-    """The closed forms' fallback for batched gradients: :math:`\sum_j \partial_x \langle g_j, \mathrm{plain}(x)_j
+    r"""The closed forms' fallback for batched gradients: :math:`\sum_j \partial_x \langle g_j, \mathrm{plain}(x)_j
     \rangle` by autograd of the plain formula (a missing cotangent ``g_j`` is zero); differentiable again where
     grad mode is on."""
     with torch.enable_grad():
