@@ -197,3 +197,15 @@ def test_a_support_that_keeps_no_path(float64_default):
     model = EquivariantTransformer("1x0e", "2x0o + 2x1o", "0e", 2.0, reduce="sum", num_layers=2)
     assert model.layers[0].attention.input_support == {(0, 1)}  # none of the hidden irreps
     assert not model(pos).any()  # (nothing reaches the output from the positions either)
+
+
+@pytest.mark.parametrize("nodes", [0, 1, 3])
+def test_layer_with_supports_without_edges(float64_default, nodes):
+    """No node, one node, nodes without edges: the output is zero and the forces are zero, on the kernels and on
+    the plain formulation."""
+    layer = _layer("0e", "0e")
+    pos = 10.0 * torch.arange(3 * nodes, dtype=torch.float64).reshape(nodes, 3)  # further apart than the cutoff
+    f = torch.randn(nodes, layer.irreps_input.dim)
+    for run in (lambda: _force_step(layer, f, pos), lambda: plain(lambda: _force_step(layer, f, pos))):
+        out, grad, _ = run()
+        assert out.shape == (nodes, layer.irreps_output.dim) and not out.any() and not grad.any()
