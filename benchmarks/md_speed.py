@@ -12,7 +12,10 @@ with ``skin=0`` (a new neighbour search every call) run in turns, ``--calls`` st
 times; the table gives the medians of the per-call times of these turns, the time per atom and call, the
 atom-steps per second and the searches per call, and, over ``--calls`` more calls with the skin, the process's
 minor page faults and system CPU time per call (memory that the allocator gave back to the system and a call
-faulted in again; see the Performance page on glibc's thresholds). ``--mace`` adds MACE's calculator (32x0e + 32x1o, two
+faulted in again: the calculator's ``keep_memory``, on by default, ``--no-keep-memory`` off) and the
+process's peak resident memory so far. ``--stress`` asks
+for the stress too at every step, as constant-pressure dynamics does (the calculator computes it from the first
+request on). ``--mace`` adds MACE's calculator (32x0e + 32x1o, two
 interactions, correlation 3, r_max 4, untrained) on the same frames, run by ``--mace-python`` (a Python with
 ``mace-torch``, which pins its own e3nn: see ``benchmarks/README.md``) in a subprocess.
 
@@ -103,7 +106,8 @@ def measure_e3attn(num_atoms: int, model: torch.nn.Module, args) -> dict:
     for label, skin in (("skin", args.skin), ("no skin", 0.0)):
         atoms = crystal.copy()
         atoms.calc = E3AttnCalculator(model, list(molecules.SPECIES), device=args.device, dtype=DTYPES[args.dtype],
-                                      skin=skin, cuda_graphs=args.cuda_graphs and skin > 0)
+                                      skin=skin, cuda_graphs=args.cuda_graphs and skin > 0,
+                                      keep_memory=args.keep_memory)
         runs[label] = {"atoms": atoms, "t": 0}
 
     def run_steps(label: str, k: int) -> None:
@@ -111,6 +115,8 @@ def measure_e3attn(num_atoms: int, model: torch.nn.Module, args) -> dict:
         for _ in range(k):
             run["atoms"].positions[:] = trajectory.frame(run["t"])
             run["atoms"].get_forces()
+            if args.stress:
+                run["atoms"].get_stress()  # computed by the same call (the calculator's cache)
             run["t"] += 1
         sync(torch.device(args.device))
 
@@ -126,6 +132,7 @@ def measure_e3attn(num_atoms: int, model: torch.nn.Module, args) -> dict:
     }
     row["page_faults_per_call"], row["system_s_per_call"] = page_faults(lambda: run_steps("skin", args.calls),
                                                                         args.calls)
+    row["peak_rss_mib"] = peak_rss_mib()
     return row
 
 
@@ -141,6 +148,16 @@ def page_faults(run, calls: int):
     run()
     after = resource.getrusage(resource.RUSAGE_SELF)
     return (after.ru_minflt - before.ru_minflt) / calls, (after.ru_stime - before.ru_stime) / calls
+
+
+def peak_rss_mib() -> Optional[float]:
+    """The process's largest resident memory so far, in MiB (Linux's ``ru_maxrss``, in KiB; None elsewhere): with
+    the sizes in increasing order, that of the largest size so far."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 if sys.platform.startswith("linux") else None
 
 
 def _edges(calc: E3AttnCalculator, atoms) -> int:
@@ -232,6 +249,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--skin", type=_common.non_negative_float, default=DEFAULT_SKIN, help="the skin in Angstrom")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="the calculator with the skin replays its call as a CUDA graph between searches (CUDA only)")
+    p.add_argument("--keep-memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="the calculator's keep_memory (default on; --no-keep-memory: glibc's allocator as it is)")
+    p.add_argument("--stress", action="store_true",
+                   help="ask for the stress too at every step (as constant-pressure dynamics does)")
     p.add_argument("--calls", type=_common.positive_int, default=10, help="steps per timed turn")
     p.add_argument("--repeats", type=_common.positive_int, default=7, help="timed turns of each calculator")
     p.add_argument("--warmup", type=_common.positive_int, default=5, help="untimed steps first")
@@ -261,15 +282,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def format_table(rows: List[dict]) -> str:
     lines = ["| atoms | edges | skin: ms/call | us/atom | atom-steps/s | searches/call | page faults/call | "
-             "system ms/call | no skin: ms/call | MACE: ms/call |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "system ms/call | peak RSS MiB | no skin: ms/call | MACE: ms/call |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mace = f"{r['mace_s'] * 1e3:,.1f}" if r.get("mace_s") else "-"
         faults = f"{r['page_faults_per_call']:,.0f}" if r.get("page_faults_per_call") is not None else "-"
         system = f"{r['system_s_per_call'] * 1e3:,.1f}" if r.get("system_s_per_call") is not None else "-"
+        rss = f"{r['peak_rss_mib']:,.0f}" if r.get("peak_rss_mib") is not None else "-"
         lines.append(f"| {r['atoms']:,} | {r['edges']:,} | {r['skin_s'] * 1e3:,.2f} | {r['skin_s'] * 1e6 / r['atoms']:.1f} "
                      f"| {r['atoms'] / r['skin_s']:,.0f} | {r['searches_per_call']:.2f} | {faults} | {system} "
-                     f"| {r['no_skin_s'] * 1e3:,.2f} | {mace} |")
+                     f"| {rss} | {r['no_skin_s'] * 1e3:,.2f} | {mace} |")
     return "\n".join(lines)
 
 
@@ -292,13 +314,15 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         for row in rows:
             row["mace_s"] = mace.get(row["atoms"])
     meta = {"host": platform.node(), "cpu": cpu_name(), "device": args.device, "threads": args.threads,
-            "dtype": args.dtype, "skin": args.skin, "cuda_graphs": args.cuda_graphs, "clock": args.clock, "load_average": _load_average(), "torch": torch.__version__, "command": " ".join(sys.argv)}
+            "dtype": args.dtype, "skin": args.skin, "cuda_graphs": args.cuda_graphs,
+            "keep_memory": args.keep_memory, "stress": args.stress, "clock": args.clock, "load_average": _load_average(), "torch": torch.__version__, "command": " ".join(sys.argv)}
     if args.device.startswith("cuda"):
         meta["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
     report = {"meta": meta, "results": rows}
     graphs = ", CUDA graphs" if args.cuda_graphs else ""
+    memory = ("" if args.keep_memory else ", --no-keep-memory") + (", with stress" if args.stress else "")
     print(f"{meta['cpu']} ({meta['host']}), {args.device}, {args.threads} thread(s), {args.dtype}, skin {args.skin} A"
-          f"{graphs}, {args.clock} clock, load average {meta['load_average']}")
+          f"{graphs}{memory}, {args.clock} clock, load average {meta['load_average']}")
     print(format_table(rows))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))

@@ -43,6 +43,7 @@ except ImportError as error:  # pragma: no cover - exercised only without ASE
 
 from ._checks import check_real, values_checked_by_caller
 from ._cuda_graph import ReplayedCall
+from ._memory import keep_freed_memory
 from ._verlet import VerletList
 from .models.checkpoint import load_checkpoint
 from .models.energy import energy_and_forces, energy_forces_stress
@@ -127,8 +128,11 @@ class E3AttnCalculator(Calculator):
     \sigma_{xz}, \sigma_{xy})` of ASE (eV/Å³), defined whenever the cell has three lattice vectors, like
     ASE's own EMT. Forces and stress come from one backward pass (:func:`~e3attn.models.energy_forces_stress`)
     over the graph of :func:`~e3attn.radius_graph_pbc` (periodic along the directions of ``atoms.pbc``:
-    open, periodic and mixed boundaries). Every property is computed at once and cached by ASE: asking again
-    for unchanged atoms computes nothing.
+    open, periodic and mixed boundaries). The properties are computed at once and cached by ASE: asking again
+    for unchanged atoms computes nothing. The stress is computed from the first call that asks for it on (its
+    strain derivative costs about a tenth of a small system's call, and molecular dynamics at constant volume
+    never asks for it): asking for the stress of atoms whose energy and forces were computed without it computes
+    all three again, once; every later call computes them together.
 
     The graph comes from a Verlet neighbour list (``neighbour_list``): the search runs at
     :math:`r_\mathrm{max} + \delta` with the ``skin`` :math:`\delta`, and until some atom has moved more than
@@ -167,6 +171,12 @@ class E3AttnCalculator(Calculator):
             False); ignored on other devices and with ``skin=0``. A call that cannot be recorded warns once
             and stays eager. A search records anew, so a cell that changes every step (a barostat) gains
             nothing from it.
+        keep_memory: on the CPU, make the process keep the memory that a call frees for the next call
+            (glibc's ``malloc``, process-wide: ``e3attn._memory.keep_freed_memory``) instead of giving it back to
+            the system and faulting it in again at every call, which from a few thousand atoms on takes up to a
+            third of the call. The process then keeps its largest memory use until it ends, as PyTorch's caching
+            allocator does on GPUs. Default True; False leaves the allocator as it is; nothing changes on other
+            devices or where the C library is not glibc (macOS, Windows).
 
     Attributes:
         neighbour_list: the Verlet list (``e3attn._verlet.VerletList``); its ``builds`` counts the searches.
@@ -198,6 +208,7 @@ class E3AttnCalculator(Calculator):
         dtype: Optional[torch.dtype] = None,
         skin: float = DEFAULT_SKIN,
         cuda_graphs: bool = False,
+        keep_memory: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(model, torch.nn.Module):
@@ -232,10 +243,15 @@ class E3AttnCalculator(Calculator):
         skin = check_real(skin, "skin", "a non-negative finite number (in Angstrom)", lambda x: 0 <= x < math.inf)
         if not isinstance(cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be a bool, got {cuda_graphs!r}")
+        if not isinstance(keep_memory, bool):
+            raise ValueError(f"keep_memory must be a bool, got {keep_memory!r}")
+        if keep_memory and self.device.type == "cpu":
+            keep_freed_memory()
         replay = cuda_graphs and self.device.type == "cuda" and skin > 0
         self._replayed = ReplayedCall() if replay else None
         self.neighbour_list = VerletList(self.max_radius, skin, prune=not replay)
         self._elements: tuple = (None, None)  # the atomic numbers of the last call, and their one-hot tensor
+        self._stress = False  # whether calls compute the stress: from the first that asks for it on
 
     @classmethod
     def from_checkpoint(
@@ -246,10 +262,11 @@ class E3AttnCalculator(Calculator):
         dtype: Optional[torch.dtype] = None,
         skin: float = DEFAULT_SKIN,
         cuda_graphs: bool = False,
+        keep_memory: bool = True,
     ) -> "E3AttnCalculator":
         r"""The calculator of a checkpoint in the format above (model, ``species``, ``energy_references``,
         ``energy_scale``), its model on ``device`` (default CPU) in ``dtype`` (default: as saved), with the
-        neighbour list's ``skin`` and ``cuda_graphs`` (see the class).
+        neighbour list's ``skin``, ``cuda_graphs`` and ``keep_memory`` (see the class).
 
         .. math:: \text{calculator} = \mathrm{E3AttnCalculator}(\text{model}, \text{extra}[\texttt{species}], \dots)
 
@@ -276,7 +293,7 @@ class E3AttnCalculator(Calculator):
         return cls(
             model, extra["species"], energy_references=extra.get("energy_references"),
             energy_scale=extra.get("energy_scale", 1.0), device=device, dtype=dtype, skin=skin,
-            cuda_graphs=cuda_graphs,
+            cuda_graphs=cuda_graphs, keep_memory=keep_memory,
         )
 
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes) -> None:
@@ -287,22 +304,24 @@ class E3AttnCalculator(Calculator):
         has_volume = atoms.cell.rank == 3
         if "stress" in properties and not has_volume:
             raise PropertyNotImplementedError("stress needs a cell of three lattice vectors (a volume)")
+        self._stress = self._stress or "stress" in properties
+        with_stress = has_volume and self._stress
         as_tensor = dict(dtype=self.dtype, device=self.device)
         positions, lattice = atoms.positions, atoms.cell.array
         pos, cell = torch.as_tensor(positions, **as_tensor), torch.as_tensor(lattice, **as_tensor)
         forces, stress = np.zeros((len(atoms), 3)), np.zeros((3, 3))
         if len(atoms) > 0:
             edge_index, shifts = self.neighbour_list(positions, lattice, atoms.pbc, pos, cell)
-            values = self._values(pos, cell, node_attr, edge_index, shifts, has_volume)
+            values = self._values(pos, cell, node_attr, edge_index, shifts, with_stress)
             values = self.energy_scale * values.double().cpu().numpy()
             energy += float(values[0])
             forces, stress = values[1:-9].reshape(-1, 3), values[-9:].reshape(3, 3)
         self.results = {"energy": energy, "free_energy": energy, "forces": forces}
-        if has_volume:
+        if with_stress:
             self.results["stress"] = stress.flat[[0, 4, 8, 5, 2, 1]]
 
     def _values(self, pos: torch.Tensor, cell: torch.Tensor, node_attr: torch.Tensor, edge_index: torch.Tensor,
-                shifts: torch.Tensor, has_volume: bool) -> torch.Tensor:
+                shifts: torch.Tensor, with_stress: bool) -> torch.Tensor:
         """``[energy, forces..., stress (9)]`` in the model's units, as one tensor (one copy from the device),
         replayed from a CUDA graph while the edges stay the same (``cuda_graphs``)."""
 
@@ -310,7 +329,7 @@ class E3AttnCalculator(Calculator):
             graph = dict(node_attr=node_attr, edge_index=edge_index, shifts=shifts, create_graph=False)
             # finite positions (the search), edges and attributes: made here; no gradients of the weights
             with values_checked_by_caller(), _frozen(self._parameters_list):
-                if has_volume:
+                if with_stress:
                     out, f, s = energy_forces_stress(self.model, pos, cell=cell, **graph)
                 else:
                     out, f = energy_and_forces(self.model, pos, cell=cell, **graph)
@@ -319,7 +338,7 @@ class E3AttnCalculator(Calculator):
 
         if self._replayed is None:
             return call(pos, cell)
-        return self._replayed(call, (pos, cell), key=(edge_index, shifts, node_attr, has_volume))
+        return self._replayed(call, (pos, cell), key=(edge_index, shifts, node_attr, with_stress))
 
     def _elements_of(self, numbers: np.ndarray) -> Tuple[torch.Tensor, float]:
         """The one-hot node attributes of atoms with atomic ``numbers`` and the sum of their reference energies,

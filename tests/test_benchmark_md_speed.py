@@ -29,8 +29,24 @@ def test_quick_run_writes_the_table_and_json(bench, tmp_path, capsys):
     assert row["searches_per_call"] == pytest.approx(1 / 5)  # one search in 1 + 2 * 2 steps: the skin holds
     if sys.platform.startswith("linux"):  # counted by getrusage (None elsewhere)
         assert row["page_faults_per_call"] >= 0 and row["system_s_per_call"] >= 0
+        assert 50 < row["peak_rss_mib"] < 100_000  # torch alone takes more than 50 MiB
     captured = capsys.readouterr()
     assert "| 32 | " in captured.out and "MACE run failed" in captured.err
+
+
+def test_stress_and_allocator_options_are_passed_and_reported(bench, tmp_path, monkeypatch):
+    made = []
+    calculator = bench.E3AttnCalculator
+
+    def recording(*args, **kwargs):
+        made.append(calculator(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(bench, "E3AttnCalculator", recording)
+    report = bench.main(["--quick", "--device", "cpu", "--sizes", "32", "--out", str(tmp_path / "r.json"), "--stress",
+                         "--no-keep-memory"])
+    assert report["meta"]["stress"] is True and report["meta"]["keep_memory"] is False
+    assert made and all(calc._stress and "stress" in calc.results for calc in made)  # asked at every step
 
 
 def test_trajectory_vibrates_about_the_sites(bench):

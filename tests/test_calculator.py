@@ -1,4 +1,7 @@
 """The ASE calculator: exact gradients (forces, stress), symmetry, ASE's optimizers, dynamics and caching."""
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -211,7 +214,8 @@ def test_velocity_verlet_energy_error_shrinks_as_dt_squared(calc):
 
 
 def test_dynamics_compute_each_configuration_once():
-    """ASE's caching: energy, forces and stress of one configuration come from one model call."""
+    """ASE's caching: energy and forces of one configuration come from one model call; the stress from the first
+    call that asks for it on (one more call for that configuration, then with every call)."""
     from ase.md.langevin import Langevin
 
     model = make_model()
@@ -220,19 +224,35 @@ def test_dynamics_compute_each_configuration_once():
     calc = E3AttnCalculator(model, SPECIES)
     atoms = STRUCTURES["slab"]()
     atoms.calc = calc
-    atoms.get_potential_energy(), atoms.get_forces(), atoms.get_stress(), atoms.get_potential_energy()
-    assert len(calls) == 1
-    calc.get_forces(atoms.copy())  # equal atoms: nothing new
-    assert len(calls) == 1
-    atoms.positions[0, 0] += 1e-3
-    atoms.get_forces()
+    atoms.get_potential_energy(), atoms.get_forces(), atoms.get_potential_energy()
+    assert len(calls) == 1 and "stress" not in calc.results
+    atoms.get_stress(), atoms.get_forces()
     assert len(calls) == 2
+    calc.get_forces(atoms.copy())  # equal atoms: nothing new
+    assert len(calls) == 2
+    atoms.positions[0, 0] += 1e-3
+    atoms.get_forces(), atoms.get_stress()
+    assert len(calls) == 3
 
     dynamics = Langevin(atoms, 1.0 * fs, temperature_K=300, friction=0.01, fixcm=False,
                          rng=np.random.default_rng(0))
     dynamics.attach(lambda: atoms.get_total_energy())
     dynamics.run(5)
-    assert len(calls) == 2 + 5
+    assert len(calls) == 3 + 5
+
+
+def test_energy_and_forces_without_the_stress_equal_those_with_it():
+    """A calculator never asked for the stress computes energy and forces without it (no strain derivative), equal
+    to those of one that computes the stress too, to rounding (float64)."""
+    atoms = STRUCTURES["slab"]()
+    plain, with_stress = (E3AttnCalculator(make_model(), SPECIES, energy_references=REFERENCES, energy_scale=SCALE)
+                          for _ in range(2))
+    with_stress.get_stress(atoms)
+    for step in range(3):
+        atoms.positions[step] += 0.01
+        np.testing.assert_allclose(plain.get_forces(atoms), with_stress.get_forces(atoms), rtol=0, atol=1e-12)
+        assert plain.get_potential_energy(atoms) == pytest.approx(with_stress.get_potential_energy(atoms), abs=1e-12)
+        assert "stress" not in plain.results and "stress" in with_stress.results
 
 
 def test_the_model_stays_trainable_and_its_gradients_untouched():
@@ -283,6 +303,7 @@ def test_no_atoms(calc):
         (dict(energy_references={"Cu": 1.0}), "each of the species"),
         (dict(energy_scale=0.0), "energy_scale"),
         (dict(dtype=torch.int64), "dtype"),
+        (dict(keep_memory=1), "keep_memory must be a bool"),
         (dict(dtype=torch.float8_e4m3fn), r"dtype must be one of torch.float16, torch.bfloat16, torch.float32, "
                                           r"torch.float64, got torch.float8_e4m3fn"),
     ],
@@ -291,6 +312,44 @@ def test_bad_arguments(kwargs, match):
     kwargs = {"species": SPECIES, **kwargs}
     with pytest.raises(ValueError, match=match):
         E3AttnCalculator(make_model(), **kwargs)
+
+
+FAULTS = r"""
+import resource, sys, torch
+from e3attn._memory import _glibc
+from e3attn.calculator import E3AttnCalculator
+from e3attn.models import EquivariantTransformer
+model = EquivariantTransformer("1x0e", "4x0e", "0e", 2.0, irreps_node_attr="1x0e", reduce="sum")
+E3AttnCalculator(model, ["Cu"], keep_memory=sys.argv[1] == "keep")
+
+
+def faults():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.ones(1 << 24)  # 64 MiB, every page written, freed at once
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+for _ in range(6):  # the heap settles in a few rounds (the block is allocated aligned, between small ones)
+    faults()
+print(_glibc() is not None, max(faults() for _ in range(3)))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="page faults are counted on Linux")
+def test_keep_memory_keeps_freed_memory_for_the_next_call():
+    """With ``keep_memory`` (the default) a 64 MiB block freed and allocated again, over and over, is soon no longer
+    faulted in again, page by page (16,384 pages); with ``keep_memory=False`` glibc maps it anew every time (over
+    its 32 MiB threshold). In fresh processes: the setting is process-wide."""
+    runs = {}
+    for mode in ("keep", "leave"):
+        out = subprocess.run([sys.executable, "-c", FAULTS, mode], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        glibc, faults = out.stdout.split()
+        if glibc != "True":
+            pytest.skip("the C library is not glibc: keep_memory changes nothing")
+        runs[mode] = int(faults)
+    assert runs["leave"] > 8_000, runs
+    assert runs["keep"] < 1_000, runs
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

@@ -46,7 +46,7 @@ def edge_vectors(
     check_pos(pos)
     check_edge_index(edge_index, pos.shape[0])
     src, dst = edge_index[0].long(), edge_index[1].long()
-    vec = pos[src] - pos[dst]
+    vec = pos.index_select(0, src) - pos.index_select(0, dst)  # (advanced indexing: slower on the CPU, also backward)
     if shifts is None:
         if cell is not None:
             raise ValueError("cell was given without shifts: pass the shifts of radius_graph_pbc")
@@ -64,7 +64,7 @@ def edge_vectors(
     if batch is None:
         raise ValueError(f"batch is required with one cell per graph (cell of shape {list(cell.shape)})")
     check_batch(batch, pos.shape[0])
-    return vec + torch.einsum("ei,eij->ej", shifts, cell[batch.long()[dst]])
+    return vec + torch.einsum("ei,eij->ej", shifts, cell.index_select(0, batch.long().index_select(0, dst)))
 
 
 def _shape(value) -> str:
