@@ -12,7 +12,7 @@ with ``skin=0`` (a new neighbour search every call) run in turns, ``--calls`` st
 times; the table gives the medians of the per-call times of these turns, the time per atom and call, the
 atom-steps per second and the searches per call, and, over ``--calls`` more calls with the skin, the process's
 minor page faults and system CPU time per call (memory that the allocator gave back to the system and a call
-faulted in again: the calculator's ``keep_memory``, on by default, ``--no-keep-memory`` off) and the
+faulted in again: the calculator's ``keep_memory``, ``--keep-memory auto`` its default, ``on`` or ``off``) and the
 process's peak resident memory so far. ``--stress`` asks
 for the stress too at every step, as constant-pressure dynamics does (the calculator computes it from the first
 request on). ``--mace`` adds MACE's calculator (32x0e + 32x1o, two
@@ -56,6 +56,7 @@ LATTICE = 3.61  # fcc copper, Angstrom
 AMPLITUDE = 0.1  # Angstrom
 PERIODS = (105.0, 195.0)  # fs
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+KEEP_MEMORY = {"auto": None, "on": True, "off": False}  # --keep-memory: the calculator's keep_memory
 
 
 def fcc_copper(num_atoms: int):
@@ -107,7 +108,7 @@ def measure_e3attn(num_atoms: int, model: torch.nn.Module, args) -> dict:
         atoms = crystal.copy()
         atoms.calc = E3AttnCalculator(model, list(molecules.SPECIES), device=args.device, dtype=DTYPES[args.dtype],
                                       skin=skin, cuda_graphs=args.cuda_graphs and skin > 0,
-                                      keep_memory=args.keep_memory)
+                                      keep_memory=KEEP_MEMORY[args.keep_memory])
         runs[label] = {"atoms": atoms, "t": 0}
 
     def run_steps(label: str, k: int) -> None:
@@ -116,7 +117,7 @@ def measure_e3attn(num_atoms: int, model: torch.nn.Module, args) -> dict:
             run["atoms"].positions[:] = trajectory.frame(run["t"])
             run["atoms"].get_forces()
             if args.stress:
-                run["atoms"].get_stress()  # computed by the same call (the calculator's cache)
+                run["atoms"].get_stress()  # the same call from the second step on (the calculator's cache)
             run["t"] += 1
         sync(torch.device(args.device))
 
@@ -249,8 +250,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--skin", type=_common.non_negative_float, default=DEFAULT_SKIN, help="the skin in Angstrom")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="the calculator with the skin replays its call as a CUDA graph between searches (CUDA only)")
-    p.add_argument("--keep-memory", action=argparse.BooleanOptionalAction, default=True,
-                   help="the calculator's keep_memory (default on; --no-keep-memory: glibc's allocator as it is)")
+    p.add_argument("--keep-memory", choices=sorted(KEEP_MEMORY), default="auto",
+                   help="the calculator's keep_memory: auto (its default, None: from large calls on), on or off")
     p.add_argument("--stress", action="store_true",
                    help="ask for the stress too at every step (as constant-pressure dynamics does)")
     p.add_argument("--calls", type=_common.positive_int, default=10, help="steps per timed turn")
@@ -266,6 +267,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.calls, args.repeats, args.warmup = 2, 2, 1
     if args.sizes is None:
         args.sizes = [32, 108] if args.quick else [108, 864, 4000, 16384]
+    args.sizes = sorted(args.sizes)  # increasing: the peak memory so far is that of the size
     if args.clock == "cpu" and (args.threads > 1 or args.device != "cpu"):
         p.error("--clock cpu measures one thread on the CPU: use it with --threads 1 --device cpu")
     if args.cuda_graphs and not args.device.startswith("cuda"):
@@ -315,12 +317,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             row["mace_s"] = mace.get(row["atoms"])
     meta = {"host": platform.node(), "cpu": cpu_name(), "device": args.device, "threads": args.threads,
             "dtype": args.dtype, "skin": args.skin, "cuda_graphs": args.cuda_graphs,
-            "keep_memory": args.keep_memory, "stress": args.stress, "clock": args.clock, "load_average": _load_average(), "torch": torch.__version__, "command": " ".join(sys.argv)}
+            "keep_memory": args.keep_memory, "stress": args.stress, "clock": args.clock,
+            "load_average": _load_average(), "torch": torch.__version__, "command": " ".join(sys.argv)}
     if args.device.startswith("cuda"):
         meta["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
     report = {"meta": meta, "results": rows}
     graphs = ", CUDA graphs" if args.cuda_graphs else ""
-    memory = ("" if args.keep_memory else ", --no-keep-memory") + (", with stress" if args.stress else "")
+    memory = f", keep_memory {args.keep_memory}" + (", with stress" if args.stress else "")
     print(f"{meta['cpu']} ({meta['host']}), {args.device}, {args.threads} thread(s), {args.dtype}, skin {args.skin} A"
           f"{graphs}{memory}, {args.clock} clock, load average {meta['load_average']}")
     print(format_table(rows))

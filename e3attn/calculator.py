@@ -58,6 +58,12 @@ PathLike = Union[str, "os.PathLike[str]"]
 #: r_max = 4 Angstrom, but these are only candidates, filtered once per call: the model sees the edges within r_max.
 DEFAULT_SKIN = 0.5
 
+#: The calls of ``E3AttnCalculator(keep_memory=None)`` (the default) with at least this many edges make the process
+#: keep freed memory (``e3attn._memory.keep_freed_memory``): about 2,800 atoms with 18 neighbours each, where the
+#: per-edge tensors reach several MiB and their page faults start to count.
+KEEP_MEMORY_EDGES = 50_000
+STRESS = ("when_asked", "always")
+
 
 def _atomic_numbers(species: Sequence[Union[str, int]]) -> np.ndarray:
     """The atomic numbers of ``species`` (element symbols or atomic numbers), all distinct and known."""
@@ -129,10 +135,12 @@ class E3AttnCalculator(Calculator):
     ASE's own EMT. Forces and stress come from one backward pass (:func:`~e3attn.models.energy_forces_stress`)
     over the graph of :func:`~e3attn.radius_graph_pbc` (periodic along the directions of ``atoms.pbc``:
     open, periodic and mixed boundaries). The properties are computed at once and cached by ASE: asking again
-    for unchanged atoms computes nothing. The stress is computed from the first call that asks for it on (its
-    strain derivative costs about a tenth of a small system's call, and molecular dynamics at constant volume
-    never asks for it): asking for the stress of atoms whose energy and forces were computed without it computes
-    all three again, once; every later call computes them together.
+    for unchanged atoms computes nothing. With ``stress="when_asked"`` (the default) the stress is computed from
+    the first call that asks for it on (its strain derivative costs about a fifth of a small system's call, and
+    molecular dynamics at constant volume never asks for it): asking for the stress of atoms whose energy and
+    forces were computed without it computes all three again, once, and every later call computes them together.
+    Until then the stress is not in ``results``, so trajectory and extended XYZ files written from the cache do
+    not hold it; ``stress="always"`` computes it with every call, as before this option existed.
 
     The graph comes from a Verlet neighbour list (``neighbour_list``): the search runs at
     :math:`r_\mathrm{max} + \delta` with the ``skin`` :math:`\delta`, and until some atom has moved more than
@@ -171,12 +179,19 @@ class E3AttnCalculator(Calculator):
             False); ignored on other devices and with ``skin=0``. A call that cannot be recorded warns once
             and stays eager. A search records anew, so a cell that changes every step (a barostat) gains
             nothing from it.
+        stress: ``"when_asked"`` (the default: the stress from the first call that asks for it on, see above) or
+            ``"always"`` (with every call that has a cell of three lattice vectors).
         keep_memory: on the CPU, make the process keep the memory that a call frees for the next call
-            (glibc's ``malloc``, process-wide: ``e3attn._memory.keep_freed_memory``) instead of giving it back to
-            the system and faulting it in again at every call, which from a few thousand atoms on takes up to a
-            third of the call. The process then keeps its largest memory use until it ends, as PyTorch's caching
-            allocator does on GPUs. Default True; False leaves the allocator as it is; nothing changes on other
-            devices or where the C library is not glibc (macOS, Windows).
+            (``e3attn._memory.keep_freed_memory``: glibc's ``malloc`` never maps a block on its own nor trims its
+            heap) instead of giving it back to the system and faulting it in again, page by page, at the next
+            call. ``None`` (the default): from the first call with at least ``KEEP_MEMORY_EDGES`` edges on (large
+            systems, where the faults cost up to half a call; smaller ones gain nothing measurable); ``True``: at
+            once; ``False``: never. The setting is process-wide and lasts until the process ends (forked
+            children inherit it; a later calculator with ``False`` does not undo it), and it keeps the memory of
+            the allocations of the process's main thread only. The process then holds its largest memory use
+            until it ends, as PyTorch's caching allocator does on GPUs (``ctypes.CDLL(None).malloc_trim(0)``
+            gives the free memory back). Nothing changes on other devices or where the C library is not glibc
+            (macOS, Windows).
 
     Attributes:
         neighbour_list: the Verlet list (``e3attn._verlet.VerletList``); its ``builds`` counts the searches.
@@ -208,7 +223,8 @@ class E3AttnCalculator(Calculator):
         dtype: Optional[torch.dtype] = None,
         skin: float = DEFAULT_SKIN,
         cuda_graphs: bool = False,
-        keep_memory: bool = True,
+        stress: str = "when_asked",
+        keep_memory: Optional[bool] = None,
     ) -> None:
         super().__init__()
         if not isinstance(model, torch.nn.Module):
@@ -243,15 +259,18 @@ class E3AttnCalculator(Calculator):
         skin = check_real(skin, "skin", "a non-negative finite number (in Angstrom)", lambda x: 0 <= x < math.inf)
         if not isinstance(cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be a bool, got {cuda_graphs!r}")
-        if not isinstance(keep_memory, bool):
-            raise ValueError(f"keep_memory must be a bool, got {keep_memory!r}")
-        if keep_memory and self.device.type == "cpu":
-            keep_freed_memory()
+        if stress not in STRESS:
+            raise ValueError(f"stress must be one of {', '.join(map(repr, STRESS))}, got {stress!r}")
+        if keep_memory is not None and not isinstance(keep_memory, bool):
+            raise ValueError(f"keep_memory must be None, True or False, got {keep_memory!r}")
+        # whether a call makes the allocator keep freed memory: of how many edges at least (None: none does)
+        self._keep_from: Optional[int] = None if keep_memory is False or self.device.type != "cpu" else (
+            0 if keep_memory else KEEP_MEMORY_EDGES)
         replay = cuda_graphs and self.device.type == "cuda" and skin > 0
         self._replayed = ReplayedCall() if replay else None
         self.neighbour_list = VerletList(self.max_radius, skin, prune=not replay)
         self._elements: tuple = (None, None)  # the atomic numbers of the last call, and their one-hot tensor
-        self._stress = False  # whether calls compute the stress: from the first that asks for it on
+        self._stress = stress == "always"  # whether calls compute the stress (when_asked: from the first that asks)
 
     @classmethod
     def from_checkpoint(
@@ -262,11 +281,12 @@ class E3AttnCalculator(Calculator):
         dtype: Optional[torch.dtype] = None,
         skin: float = DEFAULT_SKIN,
         cuda_graphs: bool = False,
-        keep_memory: bool = True,
+        stress: str = "when_asked",
+        keep_memory: Optional[bool] = None,
     ) -> "E3AttnCalculator":
         r"""The calculator of a checkpoint in the format above (model, ``species``, ``energy_references``,
         ``energy_scale``), its model on ``device`` (default CPU) in ``dtype`` (default: as saved), with the
-        neighbour list's ``skin``, ``cuda_graphs`` and ``keep_memory`` (see the class).
+        options ``skin``, ``cuda_graphs``, ``stress`` and ``keep_memory`` (see the class).
 
         .. math:: \text{calculator} = \mathrm{E3AttnCalculator}(\text{model}, \text{extra}[\texttt{species}], \dots)
 
@@ -293,11 +313,12 @@ class E3AttnCalculator(Calculator):
         return cls(
             model, extra["species"], energy_references=extra.get("energy_references"),
             energy_scale=extra.get("energy_scale", 1.0), device=device, dtype=dtype, skin=skin,
-            cuda_graphs=cuda_graphs, keep_memory=keep_memory,
+            cuda_graphs=cuda_graphs, stress=stress, keep_memory=keep_memory,
         )
 
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes) -> None:
-        """Compute every property of ``atoms`` at once into ``self.results`` (ASE calls this as needed)."""
+        """Compute the properties of ``atoms`` into ``self.results`` (ASE calls this as needed): energy and forces,
+        and the stress where the cell has a volume and the ``stress`` option asks for it."""
         super().calculate(atoms, properties, system_changes)
         atoms = self.atoms
         node_attr, energy = self._elements_of(atoms.numbers)
@@ -312,6 +333,9 @@ class E3AttnCalculator(Calculator):
         forces, stress = np.zeros((len(atoms), 3)), np.zeros((3, 3))
         if len(atoms) > 0:
             edge_index, shifts = self.neighbour_list(positions, lattice, atoms.pbc, pos, cell)
+            if self._keep_from is not None and edge_index.shape[1] >= self._keep_from:
+                keep_freed_memory()
+                self._keep_from = None
             values = self._values(pos, cell, node_attr, edge_index, shifts, with_stress)
             values = self.energy_scale * values.double().cpu().numpy()
             energy += float(values[0])

@@ -34,19 +34,21 @@ def test_quick_run_writes_the_table_and_json(bench, tmp_path, capsys):
     assert "| 32 | " in captured.out and "MACE run failed" in captured.err
 
 
-def test_stress_and_allocator_options_are_passed_and_reported(bench, tmp_path, monkeypatch):
+@pytest.mark.parametrize("option, keep_memory", [("auto", None), ("on", True), ("off", False)])
+def test_stress_and_allocator_options_are_passed_and_reported(bench, tmp_path, monkeypatch, option, keep_memory):
     made = []
     calculator = bench.E3AttnCalculator
 
     def recording(*args, **kwargs):
-        made.append(calculator(*args, **kwargs))
-        return made[-1]
+        made.append((calculator(*args, **kwargs), kwargs))
+        return made[-1][0]
 
     monkeypatch.setattr(bench, "E3AttnCalculator", recording)
     report = bench.main(["--quick", "--device", "cpu", "--sizes", "32", "--out", str(tmp_path / "r.json"), "--stress",
-                         "--no-keep-memory"])
-    assert report["meta"]["stress"] is True and report["meta"]["keep_memory"] is False
-    assert made and all(calc._stress and "stress" in calc.results for calc in made)  # asked at every step
+                         "--keep-memory", option])
+    assert report["meta"]["stress"] is True and report["meta"]["keep_memory"] == option
+    assert made and all(kwargs["keep_memory"] is keep_memory for _, kwargs in made)
+    assert all(calc._stress and "stress" in calc.results for calc, _ in made)  # asked at every step
 
 
 def test_trajectory_vibrates_about_the_sites(bench):

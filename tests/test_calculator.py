@@ -1,4 +1,5 @@
 """The ASE calculator: exact gradients (forces, stress), symmetry, ASE's optimizers, dynamics and caching."""
+import os
 import subprocess
 import sys
 
@@ -303,7 +304,8 @@ def test_no_atoms(calc):
         (dict(energy_references={"Cu": 1.0}), "each of the species"),
         (dict(energy_scale=0.0), "energy_scale"),
         (dict(dtype=torch.int64), "dtype"),
-        (dict(keep_memory=1), "keep_memory must be a bool"),
+        (dict(keep_memory=1), "keep_memory must be None, True or False"),
+        (dict(stress="never"), "stress must be one of 'when_asked', 'always'"),
         (dict(dtype=torch.float8_e4m3fn), r"dtype must be one of torch.float16, torch.bfloat16, torch.float32, "
                                           r"torch.float64, got torch.float8_e4m3fn"),
     ],
@@ -314,42 +316,69 @@ def test_bad_arguments(kwargs, match):
         E3AttnCalculator(make_model(), **kwargs)
 
 
-FAULTS = r"""
-import resource, sys, torch
+KEPT = r"""
+import ctypes, os, sys
+import numpy as np
+import e3attn.calculator as calculator
+from ase.build import bulk
 from e3attn._memory import _glibc
-from e3attn.calculator import E3AttnCalculator
 from e3attn.models import EquivariantTransformer
-model = EquivariantTransformer("1x0e", "4x0e", "0e", 2.0, irreps_node_attr="1x0e", reduce="sum")
-E3AttnCalculator(model, ["Cu"], keep_memory=sys.argv[1] == "keep")
+
+mode, edges = sys.argv[1], int(sys.argv[2])
+calculator.KEEP_MEMORY_EDGES = edges
+model = EquivariantTransformer("1x0e", "4x0e", "0e", 3.0, irreps_node_attr="1x0e", reduce="sum")
+calc = calculator.E3AttnCalculator(model, ["Cu"], keep_memory={"none": None, "true": True, "false": False}[mode])
+calc.get_forces(bulk("Cu", "fcc", a=3.6, cubic=True))  # 4 atoms, 48 edges
+libc, page = ctypes.CDLL(None), os.sysconf("SC_PAGE_SIZE")
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
 
 
-def faults():
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    torch.ones(1 << 24)  # 64 MiB, every page written, freed at once
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+def resident():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * page
 
 
-for _ in range(6):  # the heap settles in a few rounds (the block is allocated aligned, between small ones)
-    faults()
-print(_glibc() is not None, max(faults() for _ in range(3)))
+size = 64 << 20
+before = resident()
+block = libc.malloc(size)  # nothing allocated after it: freed, it is the top of the heap (or its own mapping)
+ctypes.memset(block, 1, size)
+libc.free(block)
+print(_glibc() is not None, (resident() - before) / size)
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="page faults are counted on Linux")
-def test_keep_memory_keeps_freed_memory_for_the_next_call():
-    """With ``keep_memory`` (the default) a 64 MiB block freed and allocated again, over and over, is soon no longer
-    faulted in again, page by page (16,384 pages); with ``keep_memory=False`` glibc maps it anew every time (over
-    its 32 MiB threshold). In fresh processes: the setting is process-wide."""
-    runs = {}
-    for mode in ("keep", "leave"):
-        out = subprocess.run([sys.executable, "-c", FAULTS, mode], capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr
-        glibc, faults = out.stdout.split()
-        if glibc != "True":
-            pytest.skip("the C library is not glibc: keep_memory changes nothing")
-        runs[mode] = int(faults)
-    assert runs["leave"] > 8_000, runs
-    assert runs["keep"] < 1_000, runs
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/statm is Linux's")
+@pytest.mark.parametrize("mode, edges, kept", [("true", 10**9, True), ("false", 0, False), ("none", 49, False),
+                                               ("none", 48, True)])
+def test_keep_memory_keeps_freed_memory_in_the_process(mode, edges, kept):
+    """With ``keep_memory=True``, and by default from the first call with ``KEEP_MEMORY_EDGES`` edges on, a 64 MiB
+    block written and freed stays resident (neither unmapped nor trimmed from the heap), ready for the next call;
+    with ``keep_memory=False``, or by default before such a call, it goes back to the system. In fresh processes
+    (the setting is process-wide), without the environment's own allocator settings."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD", "THP_MEM_ALLOC_ENABLE")}
+    out = subprocess.run([sys.executable, "-c", KEPT, mode, str(edges)], capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert out.returncode == 0, out.stderr
+    glibc, resident = out.stdout.split()
+    if glibc != "True":
+        pytest.skip("the C library is not glibc: keep_memory changes nothing")
+    assert float(resident) > 0.9 if kept else float(resident) < 0.1, resident
+
+
+def test_options_are_forwarded_by_from_checkpoint(tmp_path, monkeypatch):
+    import e3attn.calculator as calculator
+
+    calls = []
+    monkeypatch.setattr(calculator, "keep_freed_memory", lambda: calls.append(1))
+    path = tmp_path / "model.pt"
+    save_checkpoint(make_model(), path, species=SPECIES)
+    calc = E3AttnCalculator.from_checkpoint(path, stress="always", keep_memory=False)
+    atoms = STRUCTURES["slab"]()
+    calc.get_forces(atoms)
+    assert "stress" in calc.results and not calls
+    E3AttnCalculator.from_checkpoint(path, keep_memory=True).get_forces(atoms)
+    assert calls == [1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
