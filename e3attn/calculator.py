@@ -185,8 +185,8 @@ class E3AttnCalculator(Calculator):
             (``e3attn._memory.keep_freed_memory``: glibc's ``malloc`` never maps a block on its own nor trims its
             heap) instead of giving it back to the system and faulting it in again, page by page, at the next
             call. ``None`` (the default): from the first call with at least ``KEEP_MEMORY_EDGES`` edges on (large
-            systems, where the faults cost up to half a call; smaller ones gain nothing measurable); ``True``: at
-            once; ``False``: never. The setting is process-wide and lasts until the process ends (forked
+            systems, where the faults cost up to half a call; smaller ones gain nothing measurable); ``True``: from
+            the first call on; ``False``: never. The setting is process-wide and lasts until the process ends (forked
             children inherit it; a later calculator with ``False`` does not undo it), and it keeps the memory of
             the allocations of the process's main thread only. The process then holds its largest memory use
             until it ends, as PyTorch's caching allocator does on GPUs (``ctypes.CDLL(None).malloc_trim(0)``
