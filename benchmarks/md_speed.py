@@ -137,28 +137,32 @@ def measure_e3attn(num_atoms: int, model: torch.nn.Module, args) -> dict:
     return row
 
 
+def _usage():
+    """This process's ``resource.getrusage`` (None where there is no ``resource`` module: Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF)
+
+
 def page_faults(run, calls: int):
     """The process's minor page faults and system CPU seconds per call of ``run()`` (``calls`` calls): memory
     that the allocator gave back to the system and the next call faults in again (None, None where the platform
     does not count them)."""
-    try:
-        import resource
-    except ImportError:  # not on Windows
-        return None, None
-    before = resource.getrusage(resource.RUSAGE_SELF)
+    before = _usage()
     run()
-    after = resource.getrusage(resource.RUSAGE_SELF)
+    after = _usage()
+    if before is None:
+        return None, None
     return (after.ru_minflt - before.ru_minflt) / calls, (after.ru_stime - before.ru_stime) / calls
 
 
 def peak_rss_mib() -> Optional[float]:
     """The process's largest resident memory so far, in MiB (Linux's ``ru_maxrss``, in KiB; None elsewhere): with
     the sizes in increasing order, that of the largest size so far."""
-    try:
-        import resource
-    except ImportError:  # not on Windows
-        return None
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 if sys.platform.startswith("linux") else None
+    usage = _usage()
+    return usage.ru_maxrss / 1024 if usage is not None and sys.platform.startswith("linux") else None
 
 
 def _edges(calc: E3AttnCalculator, atoms) -> int:

@@ -27,7 +27,7 @@ from .heads import MultiHeadDot, scale_heads, split_heads
 from .linear import IrrepsLinear
 from .node_contraction import NodeContraction
 from .radial import RadialEmbedding, RadialMLP, log_soft_unit_step
-from .scatter import scatter_sum, segment_softmax
+from .scatter import gather_rows, scatter_sum, segment_softmax
 from .spherical_harmonics import SphericalHarmonics
 from .tensor_product import SphericalTensorProduct
 
@@ -328,9 +328,10 @@ class EquivariantAttention(torch.nn.Module):
         # on a GPU, sorting costs less than reading back whether the edges are sorted (a synchronisation)
         if torch.compiler.is_compiling() or dst.device.type != "cpu" or not bool((dst[1:] >= dst[:-1]).all()):
             order = _destination_order(dst)
-            src, dst, edge_vec = src.index_select(0, order), dst.index_select(0, order), _rows(edge_vec, order)
+            src, dst, edge_vec = src.index_select(0, order), dst.index_select(0, order), gather_rows(edge_vec, order)
             if geometry is not None:
-                geometry = (_rows(geometry[0], order), _rows(geometry[1], order), geometry[2].index_select(0, order))
+                geometry = (gather_rows(geometry[0], order), gather_rows(geometry[1], order),
+                            geometry[2].index_select(0, order))
         rowptr = torch.searchsorted(dst.contiguous(), torch.arange(num_nodes + 1, device=dst.device))
         sh, pre, log_c = self._geometry(edge_vec, geometry)
         hidden = self.radial.activate(pre, normalise=False)  # c folded into the last layers
@@ -380,8 +381,8 @@ class EquivariantAttention(torch.nn.Module):
 
 
 def _edge_vectors(pos: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-    r"""``pos[src] - pos[dst]`` ``[E, 3]`` (rows gathered by :func:`_rows`)."""
-    return _rows(pos, src) - _rows(pos, dst)
+    r"""``pos[src] - pos[dst]`` ``[E, 3]`` (rows gathered by ``e3attn.scatter.gather_rows``)."""
+    return gather_rows(pos, src) - gather_rows(pos, dst)
 
 
 @torch.library.custom_op("e3attn::destination_order", mutates_args=())
@@ -394,16 +395,3 @@ def _destination_order(dst: torch.Tensor) -> torch.Tensor:
 @_destination_order.register_fake
 def _(dst):
     return torch.empty_like(dst, dtype=torch.long)
-
-
-def _rows(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``values[index]`` for ``values [N, k]``, gathered from the flattened values.
-
-    The gradient is then a one-dimensional ``index_add``. The two-dimensional one of
-    ``values.index_select(0, index)`` is miscompiled by ``torch.compile`` on the CPU with 2 or more
-    threads (torch 2.13, inductor: wrong gradients and heap corruption), which ``tests/test_compile.py``
-    catches.
-    """
-    k = values.shape[1]
-    flat = values.reshape(-1).index_select(0, (k * index[:, None] + torch.arange(k, device=index.device)).reshape(-1))
-    return flat.view(-1, k)

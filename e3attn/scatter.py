@@ -37,6 +37,20 @@ def _check_backend(backend: str) -> None:
         raise ImportError("backend='torch_scatter' needs the optional torch-scatter package (pip install e3attn[pyg])")
 
 
+def gather_rows(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``values[index]`` for ``values [N, k]``, gathered from the flattened values (the rows of every edge's
+    source or destination, say: the layer and :func:`~e3attn.models.edge_vectors` gather with it).
+
+    The gradient is then a one-dimensional ``index_add``. The two-dimensional one of
+    ``values.index_select(0, index)`` is miscompiled by ``torch.compile`` on the CPU with 2 or more
+    threads (torch 2.13, inductor: wrong gradients and heap corruption), which ``tests/test_compile.py``
+    catches.
+    """
+    k = values.shape[1]
+    flat = values.reshape(-1).index_select(0, (k * index[:, None] + torch.arange(k, device=index.device)).reshape(-1))
+    return flat.view(-1, k)
+
+
 def scatter_sum(src: torch.Tensor, index: torch.Tensor, dim_size: int, backend: str = "torch") -> torch.Tensor:
     r"""Sum the rows of ``src`` into ``dim_size`` segments.
 

@@ -8,6 +8,7 @@ import torch
 
 from .._checks import _skip_values, check_batch, check_dtype, check_edge_index, check_pos
 from .._jet import first_derivatives_only
+from ..scatter import gather_rows
 
 __all__ = ["edge_vectors", "energy_and_forces", "energy_forces_stress"]
 
@@ -46,7 +47,7 @@ def edge_vectors(
     check_pos(pos)
     check_edge_index(edge_index, pos.shape[0])
     src, dst = edge_index[0].long(), edge_index[1].long()
-    vec = pos.index_select(0, src) - pos.index_select(0, dst)  # (advanced indexing: slower on the CPU, also backward)
+    vec = gather_rows(pos, src) - gather_rows(pos, dst)  # (not pos[src]: slower on the CPU, also backward)
     if shifts is None:
         if cell is not None:
             raise ValueError("cell was given without shifts: pass the shifts of radius_graph_pbc")
@@ -64,7 +65,8 @@ def edge_vectors(
     if batch is None:
         raise ValueError(f"batch is required with one cell per graph (cell of shape {list(cell.shape)})")
     check_batch(batch, pos.shape[0])
-    return vec + torch.einsum("ei,eij->ej", shifts, cell.index_select(0, batch.long().index_select(0, dst)))
+    cells = gather_rows(cell.reshape(-1, 9), batch.long().index_select(0, dst)).view(-1, 3, 3)
+    return vec + torch.einsum("ei,eij->ej", shifts, cells)
 
 
 def _shape(value) -> str:
