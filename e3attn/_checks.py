@@ -66,6 +66,24 @@ def check_positive(value: Any, name: str) -> float:
     return check_real(value, name, "a positive finite number", lambda x: 0.0 < x < math.inf)
 
 
+def check_device(value: Any, name: str) -> Optional[torch.device]:
+    """``value`` as a torch device present on this machine (None stays None), or a ValueError naming ``name``."""
+    if value is None:
+        return None
+    try:
+        device = None if isinstance(value, (bool, int)) else torch.device(value)
+    except (RuntimeError, TypeError):
+        device = None
+    if device is None:
+        raise ValueError(f"{name} must be a torch device such as 'cpu' or 'cuda:0', got {value!r}")
+    present = {"cpu": lambda: device.index in (None, 0),
+               "cuda": lambda: torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count(),
+               "mps": lambda: torch.backends.mps.is_available() and device.index in (None, 0)}
+    if device.type not in present or not present[device.type]():
+        raise ValueError(f"{name} {value!r} is not available on this machine (try {name}='cpu')")
+    return device
+
+
 def check_floating(x: torch.Tensor, name: str) -> None:
     """``x`` must be a floating-point tensor."""
     if not isinstance(x, torch.Tensor):

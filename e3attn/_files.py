@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import stat
 from typing import IO, Iterator, Union
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -16,12 +17,13 @@ def atomic_write(path: PathLike, mode: str = "wb") -> Iterator[IO]:
 
     On success the file is flushed to disk (``fsync``) and renamed onto ``path`` with ``os.replace`` (atomic on
     POSIX and Windows), so ``path`` holds either its old content or the whole new one, never a part. On any error
-    (or an interrupt) the new file is removed and ``path`` is left as it was. The new file gets the permissions of
-    a file created with ``open`` (0666 less the umask).
+    (or an interrupt) the new file is removed and ``path`` is left as it was. As ``open`` would, a symbolic link
+    is written through (the file it points to is replaced, the link stays), and a file that exists keeps its
+    permissions; a new one gets those of a file created with ``open`` (0666 less the umask).
     """
     if mode not in ("wb", "w"):
         raise ValueError(f"mode must be 'wb' or 'w', got {mode!r}")
-    target = os.path.abspath(os.fspath(path))
+    target = os.path.realpath(os.fspath(path))  # through symbolic links, as open() writes
     folder, name = os.path.split(target)
     while True:
         temporary = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.tmp")
@@ -31,6 +33,8 @@ def atomic_write(path: PathLike, mode: str = "wb") -> Iterator[IO]:
         except FileExistsError:  # another writer's temporary file: draw another name
             continue
     try:
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(temporary, stat.S_IMODE(os.stat(target).st_mode))  # an existing file's permissions
         with open(descriptor, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as file:
             yield file
             file.flush()

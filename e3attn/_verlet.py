@@ -117,7 +117,13 @@ class VerletList:
 
     def _build(self, positions: np.ndarray, cell: np.ndarray, pbc: np.ndarray, pos: torch.Tensor,
                lattice: torch.Tensor) -> None:
-        self._candidates = radius_graph_pbc(pos, lattice, torch.as_tensor(pbc), self.r_max + self.skin)
+        try:
+            self._candidates = radius_graph_pbc(pos, lattice, torch.as_tensor(pbc), self.r_max + self.skin)
+        except ValueError as error:
+            if self.skin == 0 or "r_max=" not in str(error):
+                raise
+            raise ValueError(f"{error} (r_max here is the cutoff {self.r_max:g} plus the Verlet list's skin "
+                             f"{self.skin:g}; skin=0 searches to the cutoff alone)") from None
         self._reference = np.array(positions, dtype=np.float64)
         lattice = cell * pbc[:, None]
         self._recip = np.linalg.pinv(lattice) * pbc[None, :]

@@ -41,7 +41,7 @@ try:
 except ImportError as error:  # pragma: no cover - exercised only without ASE
     raise ImportError("e3attn.calculator needs ASE: pip install ase (or pip install 'e3attn[examples]')") from error
 
-from ._checks import check_real, values_checked_by_caller
+from ._checks import check_device, check_real, values_checked_by_caller
 from ._cuda_graph import ReplayedCall
 from ._memory import keep_freed_memory
 from ._verlet import VerletList
@@ -63,6 +63,13 @@ DEFAULT_SKIN = 0.5
 #: per-edge tensors reach several MiB and their page faults start to count.
 KEEP_MEMORY_EDGES = 50_000
 STRESS = ("when_asked", "always")
+
+
+def _has_volume(cell: np.ndarray) -> bool:
+    """Whether the three rows of ``cell`` span a volume: ``|det|`` beyond rounding of the lengths' product (ASE's
+    ``cell.rank`` counts non-zero rows only, so three coplanar vectors have rank 3 but no volume)."""
+    lengths = np.linalg.norm(cell, axis=1).prod()
+    return bool(lengths > 0 and abs(np.linalg.det(cell)) > 1e-10 * lengths)
 
 
 def _atomic_numbers(species: Sequence[Union[str, int]]) -> np.ndarray:
@@ -197,7 +204,8 @@ class E3AttnCalculator(Calculator):
         neighbour_list: the Verlet list (``e3attn._verlet.VerletList``); its ``builds`` counts the searches.
 
     Raises:
-        ValueError: on malformed arguments, and when computing atoms with elements not in ``species``.
+        ValueError: on malformed arguments (``device`` not a device present on this machine, too), and when
+            computing atoms with elements not in ``species`` or atomic numbers that are no elements.
 
     Example::
 
@@ -244,9 +252,8 @@ class E3AttnCalculator(Calculator):
         if dtype is not None and dtype not in supported:
             raise ValueError(f"dtype must be one of {', '.join(map(str, supported))}, got {dtype!r}")
         parameter = next(model.parameters(), None)
-        self.device = torch.device(device) if device is not None else (
-            parameter.device if parameter is not None else torch.device("cpu")
-        )
+        self.device = check_device(device, "device") or (
+            parameter.device if parameter is not None else torch.device("cpu"))
         self.dtype = dtype or (parameter.dtype if parameter is not None else torch.get_default_dtype())
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self._parameters_list = list(self.model.parameters())
@@ -291,7 +298,8 @@ class E3AttnCalculator(Calculator):
         .. math:: \text{calculator} = \mathrm{E3AttnCalculator}(\text{model}, \text{extra}[\texttt{species}], \dots)
 
         Raises:
-            ValueError: when the checkpoint has no ``species``.
+            ValueError: when the checkpoint has no ``species``, its extras do not fit its model, or an option is
+                malformed (naming the file), or it is not a checkpoint (:func:`~e3attn.models.load_checkpoint`).
 
         Example::
 
@@ -304,17 +312,24 @@ class E3AttnCalculator(Calculator):
             >>> calc.species, calc.energy_scale, calc.dtype
             (['Cu'], 0.4, torch.float64)
         """
-        model, extra = load_checkpoint(path, map_location=device if device is not None else "cpu")
+        device = check_device(device, "device")
+        model, extra = load_checkpoint(path, map_location=device or "cpu")
+        where = f"checkpoint {os.fspath(path)!r}" if isinstance(path, (str, os.PathLike)) else "the checkpoint"
         if "species" not in extra:
             raise ValueError(
-                f"checkpoint {os.fspath(path)!r} holds no 'species': save it with save_checkpoint(model, path, "
+                f"{where} holds no 'species': save it with save_checkpoint(model, path, "
                 f"species=[...], energy_references=[...], energy_scale=...) (see e3attn.calculator)"
             )
-        return cls(
-            model, extra["species"], energy_references=extra.get("energy_references"),
-            energy_scale=extra.get("energy_scale", 1.0), device=device, dtype=dtype, skin=skin,
-            cuda_graphs=cuda_graphs, stress=stress, keep_memory=keep_memory,
-        )
+        scale = extra.get("energy_scale", 1.0)
+        if isinstance(scale, torch.Tensor) and scale.numel() == 1 and not scale.dtype.is_complex:
+            scale = scale.item()  # save_checkpoint stores a 0-d tensor as given
+        try:
+            return cls(
+                model, extra["species"], energy_references=extra.get("energy_references"), energy_scale=scale,
+                device=device, dtype=dtype, skin=skin, cuda_graphs=cuda_graphs, stress=stress, keep_memory=keep_memory,
+            )
+        except ValueError as error:  # the extras do not fit the model (or an option is wrong): say which file
+            raise ValueError(f"{where}: {error}") from None
 
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes) -> None:
         """Compute the properties of ``atoms`` into ``self.results`` (ASE calls this as needed): energy and forces,
@@ -322,9 +337,10 @@ class E3AttnCalculator(Calculator):
         super().calculate(atoms, properties, system_changes)
         atoms = self.atoms
         node_attr, energy = self._elements_of(atoms.numbers)
-        has_volume = atoms.cell.rank == 3
+        has_volume = _has_volume(atoms.cell.array)
         if "stress" in properties and not has_volume:
-            raise PropertyNotImplementedError("stress needs a cell of three lattice vectors (a volume)")
+            raise PropertyNotImplementedError("stress needs a cell of three linearly independent lattice vectors "
+                                              "(a volume)")
         self._stress = self._stress or "stress" in properties
         with_stress = has_volume and self._stress
         as_tensor = dict(dtype=self.dtype, device=self.device)
@@ -369,6 +385,10 @@ class E3AttnCalculator(Calculator):
         kept while the atoms' elements stay the same."""
         cached, result = self._elements
         if cached is None or not np.array_equal(cached, numbers):
+            if len(numbers) and (numbers.min() < 0 or numbers.max() >= len(chemical_symbols)):
+                bad = sorted({int(z) for z in numbers if not 0 <= z < len(chemical_symbols)})
+                raise ValueError(f"atoms hold atomic numbers {bad} that are no elements (0 to "
+                                 f"{len(chemical_symbols) - 1}); the model knows {self.species}")
             index = self._index[numbers]
             if (index < 0).any():
                 unknown = sorted({chemical_symbols[z] for z in numbers[index < 0]})

@@ -25,6 +25,7 @@ from e3attn import (
 )
 from e3attn.models import (EquivariantLayerNorm, EquivariantTransformer, Gate, NeighbourDensity, load_checkpoint,
                            save_checkpoint)
+from e3attn.models.checkpoint import _content_digest
 
 
 def small_model():
@@ -158,12 +159,16 @@ def good_payload(model):
 
 
 def edited(model, **changes):
+    """A checkpoint of ``model`` with ``changes`` (None: the entry removed), its content digest made again (unless
+    given or removed) so that the checks after it are reached."""
     payload = good_payload(model)
     for key, value in changes.items():
         if value is None:
             del payload[key]
         else:
             payload[key] = value
+    if "content_sha256" not in changes and all(key in payload for key in ("class", "config", "dtype", "extra")):
+        payload["content_sha256"] = _content_digest(payload)
     return payload
 
 
@@ -184,6 +189,7 @@ def edited(model, **changes):
         (lambda p, m: torch.save(edited(m, config={"foo": 1}), p), "config that does not build"),
         (lambda p, m: torch.save(edited(m, config=dict(m.config, num_layers=2)), p), "do not fit its config"),
         (lambda p, m: torch.save(edited(m, weights_sha256="0" * 64), p), "do not match the SHA-256 digest"),
+        (lambda p, m: torch.save(edited(m, content_sha256=None), p), "damaged checkpoint: it has no 'content_sha256'"),
     ],
 )
 def test_malformed_files_give_one_clear_value_error(tmp_path, make, match):
@@ -324,3 +330,81 @@ def test_checkpoints_of_format_1_still_load(tmp_path):
     assert extra == {"energy_scale": 0.5}
     pos = torch.randn(5, 3)
     torch.testing.assert_close(loaded(pos), model.eval()(pos), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("change", [
+    lambda c: c["extra"].update(energy_scale=0.15),  # one bit of the float flipped
+    lambda c: c["extra"]["species"].__setitem__(1, "Au"),
+    lambda c: c["config"].update(max_radius=3.0039),
+    lambda c: c["extra"].update(note="y"),
+    lambda c: c["extra"].update(table=c["extra"]["table"] + 1),
+    lambda c: c.update(dtype="float64"),
+])
+def test_corrupted_configuration_and_extras_are_detected(tmp_path, change):
+    """Not only the weights: a changed configuration, dtype or extra (the energy scale, the elements) would predict
+    differently and torch.load reads it without complaint; the content digest refuses it."""
+    model = EquivariantTransformer("1x0e", "8x0e + 2x1o", "0e", 3.0, num_layers=1, reduce="sum")
+    path = tmp_path / "model.pt"
+    save_checkpoint(model, path, species=["Cu", "Ni"], energy_scale=0.3, note="x", table=torch.arange(3.0))
+    payload = torch.load(path, weights_only=True)
+    change(payload)
+    torch.save(payload, path)
+    with pytest.raises(ValueError, match="corrupted: its class, config, dtype or extras do not match the SHA-256"):
+        load_checkpoint(path)
+
+
+def test_content_digest_tells_types_and_orders_apart():
+    base = {"class": "EquivariantTransformer", "config": {"a": 1, "b": [1.0, "x"]}, "dtype": "float32", "extra": {}}
+    digest = _content_digest(base)
+    assert digest == _content_digest({**base, "config": {"b": [1.0, "x"], "a": 1}})  # dict order is not content
+    for other in ({"a": 1.0, "b": [1.0, "x"]}, {"a": True, "b": [1.0, "x"]}, {"a": 1, "b": (1.0, "x")},
+                  {"a": 1, "b": [1.0, "x", None]}, {"a": 1, "b": [float.fromhex("0x1.0000000000001p+0"), "x"]}):
+        assert _content_digest({**base, "config": other}) != digest
+
+
+def test_checkpoints_of_format_2_still_load(tmp_path):
+    """Files of the second format (a digest of the weights only) load, their weights verified."""
+    model = small_model()
+    payload = edited(model, format="e3attn.models.checkpoint/2", content_sha256=None)
+    path = tmp_path / "v2.pt"
+    torch.save(payload, path)
+    loaded, extra = load_checkpoint(path)
+    pos = torch.randn(5, 3)
+    torch.testing.assert_close(loaded(pos), model.eval()(pos), atol=0, rtol=0)
+    torch.save({**payload, "weights_sha256": "0" * 64}, path)
+    with pytest.raises(ValueError, match="its weights do not match"):
+        load_checkpoint(path)
+
+
+def test_file_objects_load_as_they_save(tmp_path):
+    model = small_model()
+    buffer = io.BytesIO()
+    save_checkpoint(model, buffer, energy_scale=0.5)
+    buffer.seek(0)
+    loaded, extra = load_checkpoint(buffer)
+    assert extra == {"energy_scale": 0.5}
+    with open(tmp_path / "model.pt", "wb") as file:
+        save_checkpoint(model, file)
+    with open(tmp_path / "model.pt", "rb") as file:
+        load_checkpoint(file)
+    with pytest.raises(ValueError, match="the file object 'BytesIO' is not a checkpoint"):
+        load_checkpoint(io.BytesIO(b"nothing"))
+    for bad in (None, 3):
+        with pytest.raises(TypeError, match=f"path must be a file path or a binary file object, got {type(bad).__name__}"):
+            load_checkpoint(bad)
+    with pytest.raises(ValueError, match="map_location must be a torch device"):
+        load_checkpoint(tmp_path / "model.pt", map_location="gpu0")
+
+
+@pytest.mark.skipif(os.name != "posix", reason="symbolic links and permission bits of POSIX")
+def test_saving_again_writes_through_a_link_and_keeps_the_permissions(tmp_path):
+    (tmp_path / "store").mkdir()
+    target = tmp_path / "store" / "v1.pt"
+    save_checkpoint(small_model(), target, note="first")
+    os.chmod(target, 0o600)
+    link = tmp_path / "current.pt"
+    link.symlink_to(os.path.join("store", "v1.pt"))
+    save_checkpoint(small_model(), link, note="second")
+    assert link.is_symlink() and load_checkpoint(target)[1] == {"note": "second"}
+    assert oct(target.stat().st_mode & 0o777) == oct(0o600)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["current.pt", "store", "v1.pt"]  # no temporary left

@@ -2,9 +2,9 @@ r"""Save and load models with their configuration: a checkpoint rebuilds the mod
 
 A checkpoint holds plain data only (tensors, numbers, strings, and lists, tuples and dicts of
 them), so :func:`load_checkpoint` reads it with ``torch.load(weights_only=True)``; whatever
-:func:`save_checkpoint` accepts, :func:`load_checkpoint` loads. A SHA-256 digest of the weights is
-stored with them and checked at load, so a corrupted file is refused instead of predicting
-differently.
+:func:`save_checkpoint` accepts, :func:`load_checkpoint` loads. SHA-256 digests of the weights and of
+everything else (the model's class, configuration and dtype, and the extras) are stored with them and
+checked at load, so a corrupted file is refused instead of predicting differently.
 """
 from __future__ import annotations
 
@@ -23,9 +23,11 @@ from .transformer import EquivariantTransformer
 __all__ = ["save_checkpoint", "load_checkpoint"]
 
 _MODELS = {"EquivariantTransformer": EquivariantTransformer}
-_FORMAT = "e3attn.models.checkpoint/2"
-_FORMAT_1 = "e3attn.models.checkpoint/1"  # before the digest: still read, the weights unverified
-_KEYS = ("class", "config", "dtype", "state_dict", "weights_sha256", "extra")
+_FORMAT = "e3attn.models.checkpoint/3"
+_FORMAT_2 = "e3attn.models.checkpoint/2"  # the weights' digest only: still read, the rest unverified
+_FORMAT_1 = "e3attn.models.checkpoint/1"  # before the digests: still read, nothing verified
+_DIGESTS = {_FORMAT: ("weights_sha256", "content_sha256"), _FORMAT_2: ("weights_sha256",), _FORMAT_1: ()}
+_KEYS = ("class", "config", "dtype", "state_dict", "extra")
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype)
 _ACCEPTED = (
     "tensors, NumPy arrays and scalars, Python numbers, strings, bytes, None, torch dtypes, "
@@ -95,6 +97,36 @@ def _weights_digest(state_dict: Mapping[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+def _content_digest(checkpoint: Mapping[str, Any]) -> str:
+    """SHA-256 of the class, configuration, dtype and extras: each value with its type, in a fixed order (dict
+    entries by key), tensors by dtype, shape and bytes."""
+    digest = hashlib.sha256()
+
+    def add(value: Any) -> None:
+        digest.update(f"<{type(value).__name__}>".encode())
+        if isinstance(value, torch.Tensor):
+            tensor = value.detach().cpu().contiguous()
+            digest.update(f"{tensor.dtype}|{list(tensor.shape)}|".encode())
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+        elif isinstance(value, (list, tuple)):
+            digest.update(f"{len(value)}|".encode())
+            for item in value:
+                add(item)
+        elif isinstance(value, dict):
+            digest.update(f"{len(value)}|".encode())
+            for key in sorted(value, key=lambda k: (type(k).__name__, k)):
+                add(key)
+                add(value[key])
+        elif isinstance(value, float):
+            digest.update(value.hex().encode())
+        else:  # None, bool, int, complex, str, bytes, torch.dtype
+            digest.update(repr(value).encode())
+
+    for key in ("class", "config", "dtype", "extra"):
+        add(checkpoint[key])
+    return digest.hexdigest()
+
+
 def save_checkpoint(model: torch.nn.Module, path: PathLike, **extra: Any) -> None:
     r"""Write the model's class, configuration, dtype, ``state_dict``, its digest (and ``extra``) to ``path``.
 
@@ -111,8 +143,8 @@ def save_checkpoint(model: torch.nn.Module, path: PathLike, **extra: Any) -> Non
     file is removed and a checkpoint already at ``path`` is left as it was. ``path`` may
     also be a binary file object, which is written directly.
 
-    .. math:: \text{checkpoint} = (\text{class}, \text{config}, \text{dtype}, \theta,
-        \mathrm{SHA256}(\theta), \text{extra})
+    .. math:: \text{checkpoint} = (\text{class}, \text{config}, \text{dtype}, \theta, \text{extra},
+        \mathrm{SHA256}(\theta), \mathrm{SHA256}(\text{class}, \text{config}, \text{dtype}, \text{extra}))
 
     Raises:
         ValueError: when the model is not one that checkpoints rebuild, or an
@@ -143,6 +175,7 @@ def save_checkpoint(model: torch.nn.Module, path: PathLike, **extra: Any) -> Non
         "weights_sha256": _weights_digest(state_dict),
         "extra": {key: _plain(value, f"extra {key!r}") for key, value in extra.items()},
     }
+    checkpoint["content_sha256"] = _content_digest(checkpoint)
     if isinstance(path, (str, os.PathLike)):
         with atomic_write(path) as file:
             torch.save(checkpoint, file)
@@ -153,9 +186,10 @@ def save_checkpoint(model: torch.nn.Module, path: PathLike, **extra: Any) -> Non
 def load_checkpoint(path: PathLike, map_location: Union[str, torch.device] = "cpu") -> Tuple[torch.nn.Module, Dict[str, Any]]:
     r"""Rebuild the model saved by :func:`save_checkpoint`, in its saved dtype, and return it with the extras.
 
-    The model is returned in evaluation mode on ``map_location``. The file is read with
-    ``torch.load(weights_only=True)`` (no code from the file runs) and the weights must
-    match the digest stored with them.
+    The model is returned in evaluation mode on ``map_location``. ``path`` is a file's path or a
+    binary file object (as :func:`save_checkpoint` writes to either). The file is read with
+    ``torch.load(weights_only=True)`` (no code from the file runs), and the weights and the rest
+    must match the digests stored with them (files of earlier versions: what they hold a digest of).
 
     .. math:: \text{model} = \text{class}(\text{config}).\mathrm{load\_state\_dict}(\theta),
         \qquad \mathrm{SHA256}(\theta) = \text{digest}
@@ -166,7 +200,9 @@ def load_checkpoint(path: PathLike, map_location: Union[str, torch.device] = "cp
     Raises:
         ValueError: saying what is wrong when ``path`` is not such a checkpoint (not a
             torch file, another format, unknown class or dtype, missing entries,
-            weights that do not match their digest or their configuration).
+            weights or other entries that do not match their digest, weights that do not fit
+            the configuration).
+        TypeError: when ``path`` is neither a path nor a readable file object.
         OSError: when the file cannot be opened.
 
     Example::
@@ -178,32 +214,45 @@ def load_checkpoint(path: PathLike, map_location: Union[str, torch.device] = "cp
         >>> model.training, extra
         (False, {})
     """
-    device = torch.device(map_location)
+    try:
+        device = torch.device(map_location)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"map_location must be a torch device such as 'cpu' or 'cuda:0', got {map_location!r}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"map_location is {device} but CUDA is not available")
-    where = f"{os.fspath(path)!r}"
-    with open(path, "rb") as file:  # a missing or unreadable file raises its OSError here
-        try:
-            checkpoint = torch.load(file, map_location=device, weights_only=True)
-        except Exception:  # torch raises many types for a file that is not a torch.save archive of plain data
-            raise ValueError(
-                f"{where} is not a checkpoint written by e3attn.models.save_checkpoint: "
-                "torch.load(weights_only=True) cannot read it (not a torch file, truncated, or holding objects "
-                "other than tensors and plain data)"
-            ) from None
+    if isinstance(path, (str, os.PathLike)):
+        where = f"{os.fspath(path)!r}"
+        with open(path, "rb") as file:  # a missing or unreadable file raises its OSError here
+            checkpoint = _read(file, where, device)
+    elif callable(getattr(path, "read", None)):
+        where = f"the file object {getattr(path, 'name', type(path).__name__)!r}"
+        checkpoint = _read(path, where, device)
+    else:
+        raise TypeError(f"path must be a file path or a binary file object, got {type(path).__name__}")
     return _rebuild(checkpoint, where, device)
+
+
+def _read(file: Any, where: str, device: torch.device) -> Any:
+    try:
+        return torch.load(file, map_location=device, weights_only=True)
+    except Exception:  # torch raises many types for a file that is not a torch.save archive of plain data
+        raise ValueError(
+            f"{where} is not a checkpoint written by e3attn.models.save_checkpoint: "
+            "torch.load(weights_only=True) cannot read it (not a torch file, truncated, or holding objects "
+            "other than tensors and plain data)"
+        ) from None
 
 
 def _rebuild(checkpoint: Any, where: str, device: torch.device) -> Tuple[torch.nn.Module, Dict[str, Any]]:
     """The model and extras of a loaded checkpoint, or a ValueError saying what is wrong with it."""
     found = checkpoint.get("format") if isinstance(checkpoint, dict) else None
-    if found not in (_FORMAT, _FORMAT_1):
+    if found not in _DIGESTS:
         detail = f"its format is {found!r}" if isinstance(found, str) else "it has no e3attn format tag"
         raise ValueError(f"{where} is not a checkpoint written by e3attn.models.save_checkpoint ({_FORMAT}): {detail}")
     if found == _FORMAT_1:
         warnings.warn(f"{where} was written by an older e3attn ({_FORMAT_1}) without a digest of its weights: "
                       "they are loaded unverified; save it again to add one", stacklevel=3)
-    missing = [key for key in _KEYS if key not in checkpoint and (found == _FORMAT or key != "weights_sha256")]
+    missing = [key for key in _KEYS + _DIGESTS[found] if key not in checkpoint]
     if missing:
         raise ValueError(f"{where} is a damaged checkpoint: it has no {', '.join(map(repr, missing))}")
     name, config, state_dict = checkpoint["class"], checkpoint["config"], checkpoint["state_dict"]
@@ -216,8 +265,11 @@ def _rebuild(checkpoint: Any, where: str, device: torch.device) -> Tuple[torch.n
         raise ValueError(f"{where} is a damaged checkpoint: its config and extra must be dicts")
     if not isinstance(state_dict, dict) or not all(isinstance(t, torch.Tensor) for t in state_dict.values()):
         raise ValueError(f"{where} is a damaged checkpoint: its state_dict must map names to tensors")
-    if found == _FORMAT and _weights_digest(state_dict) != checkpoint["weights_sha256"]:
+    if "weights_sha256" in _DIGESTS[found] and _weights_digest(state_dict) != checkpoint["weights_sha256"]:
         raise ValueError(f"{where} is corrupted: its weights do not match the SHA-256 digest stored with them")
+    if "content_sha256" in _DIGESTS[found] and _content_digest(checkpoint) != checkpoint["content_sha256"]:
+        raise ValueError(f"{where} is corrupted: its class, config, dtype or extras do not match the SHA-256 "
+                         "digest stored with them")
     try:
         model = _MODELS[name](**config)
     except (TypeError, ValueError) as err:
