@@ -26,7 +26,8 @@ def atomic_write(path: PathLike, mode: str = "wb") -> Iterator[IO]:
     target = os.path.realpath(os.fspath(path))  # through symbolic links, as open() writes
     folder, name = os.path.split(target)
     while True:
-        temporary = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.tmp")
+        # beside the target, its name cut short enough that the temporary name fits where the target's does
+        temporary = os.path.join(folder, f".{name[:100]}.{secrets.token_hex(4)}.tmp")
         try:
             descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
             break

@@ -14,7 +14,9 @@ the saved model is that of the epoch of least validation loss. At the end one li
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import sys
 from typing import List, Optional, Sequence
@@ -30,7 +32,7 @@ from .data import DataError, LabelKeys, fit_references, mean_neighbors, read_str
 from .loop import fit, init_distributed
 from .model import build_model, evaluate
 
-__all__ = ["parse_args", "load_data", "run", "main"]
+__all__ = ["parse_args", "load_data", "run", "main", "CommandError"]
 
 PROG = "e3attn-train"
 MODEL_DEFAULTS = dict(max_radius=5.0, layers=2, heads=1)
@@ -68,13 +70,53 @@ def _parser() -> opt.ArgumentParser:
     return p
 
 
-def _check_output(p: argparse.ArgumentParser, option: str, path: Optional[str]) -> None:
-    if path is None:
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path) or not os.path.isdir(folder):
-        p.error(f"argument {option}: {path!r} is a folder" if os.path.isdir(path) else
-                f"argument {option}: the folder {folder!r} does not exist")
+class CommandError(RuntimeError):
+    """What stops the command after the data were read (training diverged, an output cannot be written), in one
+    line; nothing is written or replaced then."""
+
+
+_INPUTS = ("config", "train_file", "valid_file", "test_file")
+_OUTPUTS = ("save", "metrics")
+
+
+def _check_outputs(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Each output in an existing folder, not a folder, and neither an input file nor the other output."""
+    seen = {os.path.realpath(getattr(args, name)): name for name in _INPUTS if getattr(args, name, None)}
+    for name in _OUTPUTS:
+        path = getattr(args, name)
+        if path is None:
+            continue
+        option, folder = "--" + name, os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path) or not os.path.isdir(folder):
+            p.error(f"argument {option}: {path!r} is a folder" if os.path.isdir(path) else
+                    f"argument {option}: the folder {folder!r} does not exist")
+        other = seen.setdefault(os.path.realpath(path), name)
+        if other != name:
+            p.error(f"argument {option}: {path!r} is the file of --{other.replace('_', '-')}: it would be "
+                    "overwritten; write to another file")
+
+
+def _check_model_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The model options build a model (e.g. --heads divides the multiplicities of --hidden), before any data."""
+    trial = argparse.Namespace(**{**vars(args), "avg_num_neighbors": 1.0})
+    try:
+        build_model(trial, num_species=1)
+    except ValueError as err:
+        p.error(f"the model options (--hidden, --heads, --lmax, --density, ...) do not build a model: {err}")
+
+
+def _given(argv: Sequence[str], option: str) -> bool:
+    return any(a == option or a.startswith(option + "=") for a in argv)
+
+
+def _without(argv: List[str], option: str) -> List[str]:
+    """``argv`` (a config's arguments: ``[flag, value, ...]``) without ``option`` and its value."""
+    out, skip = [], False
+    for a in argv:
+        if not skip and a != option:
+            out.append(a)
+        skip = a == option
+    return out
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -93,27 +135,36 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     path = pre.parse_known_args(argv)[0].config
     if path is not None:
         try:
-            argv = config_arguments(p, path) + argv
+            config = config_arguments(p, path)
         except ValueError as err:
             p.error(str(err))
+        for given, other in (("--valid-file", "--valid-fraction"), ("--valid-fraction", "--valid-file")):
+            if _given(argv, given):  # the command line's choice of validation replaces the file's
+                config = _without(config, other)
+        argv = config + argv
     args = p.parse_args(argv)
+    args.stress_key_given = _given(argv, "--stress-key")
     if args.valid_file is not None and args.valid_fraction is not None:
         p.error("give --valid-file or --valid-fraction, not both")
     args.valid_fraction = 0.05 if args.valid_fraction is None and args.valid_file is None else args.valid_fraction
     args.stress_key = None if args.stress_key.lower() == "none" else args.stress_key
-    _check_output(p, "--save", args.save)
-    _check_output(p, "--metrics", args.metrics)
+    _check_outputs(p, args)
+    _check_model_options(p, args)
     return opt.amp_only_on_cuda(args)
 
 
-def _stress_key(structures, key: Optional[str], what: str) -> Optional[str]:
-    """``key`` when every structure has a stress under it, ``None`` when none has; a DataError when some have."""
+def _stress_key(structures, key: Optional[str], what: str, given: bool = False) -> Optional[str]:
+    """``key`` when every structure has a stress under it, ``None`` when none has (a DataError then if the key was
+    ``given`` by the user); a DataError when some have."""
     if key is None:
         return None
     has = [key in a.info or key in (getattr(a.calc, "results", None) or {}) for a in structures]
     if any(has) and not all(has):
         raise DataError(f"{what}: {sum(has)} of {len(structures)} structures have a stress under {key!r}: give it "
                         f"for all or none (--stress-key none ignores it)")
+    if given and not any(has):
+        raise DataError(f"{what}: no structure has a stress under the key {key!r} (--stress-key); give the key "
+                        "the file uses, or --stress-key none")
     return key if all(has) else None
 
 
@@ -124,9 +175,25 @@ def _samples(structures, what: str, path: str, species, args, keys: LabelKeys) -
             for i, a in enumerate(structures)]
 
 
-def _write_json(path: str, data: dict) -> None:
-    with atomic_write(path, "w") as file:  # an existing file is replaced whole or not at all
-        json.dump(data, file, indent=1)
+def _finite(data):
+    """``data`` with NaN and infinities as None (JSON has no such numbers)."""
+    if isinstance(data, dict):
+        return {k: _finite(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_finite(v) for v in data]
+    return None if isinstance(data, float) and not math.isfinite(data) else data
+
+
+def _write(args: argparse.Namespace, module: torch.nn.Module, units: dict, metrics: dict) -> None:
+    """``--save`` and ``--metrics``, each replaced whole or not at all; both new files are written before either
+    replaces its target, so a failure (a full disk, a name too long) leaves both as they were."""
+    with contextlib.ExitStack() as stack:
+        files = {name: stack.enter_context(atomic_write(getattr(args, name), mode))
+                 for name, mode in (("save", "wb"), ("metrics", "w")) if getattr(args, name)}
+        if "save" in files:
+            save_checkpoint(module, files["save"], **units, metrics=metrics)
+        if "metrics" in files:
+            json.dump(_finite(metrics), files["metrics"], indent=1, allow_nan=False)
 
 
 def _line(split: str, errors: dict) -> str:
@@ -141,12 +208,20 @@ def load_data(args: argparse.Namespace):
     from ase.data import atomic_numbers
 
     train_structures = read_structures(args.train_file, "--train-file")
-    keys = LabelKeys(args.energy_key, args.forces_key, _stress_key(train_structures, args.stress_key, "--train-file"))
+    given = getattr(args, "stress_key_given", False)
+    keys = LabelKeys(args.energy_key, args.forces_key,
+                     _stress_key(train_structures, args.stress_key, "--train-file", given))
     species = sorted(set().union(*(a.get_chemical_symbols() for a in train_structures)), key=atomic_numbers.get)
     samples = {"train": _samples(train_structures, "--train-file", args.train_file, species, args, keys)}
     samples["train"], samples["valid"] = split(samples["train"], args.valid_fraction or 0.0, args.seed)
     if not samples["train"]:
         raise DataError(f"--valid-fraction {args.valid_fraction} leaves no training structures")
+    learnt = set(torch.cat([s["species"] for s in samples["train"]]).tolist())
+    unlearnt = [z for i, z in enumerate(species) if i not in learnt]
+    if unlearnt:
+        raise DataError(f"--train-file: the elements {unlearnt} are only in structures held out for validation "
+                        f"(--valid-fraction {args.valid_fraction}, --seed {args.seed}): the model would never learn "
+                        "them; add structures with them, or give a --valid-file")
     for name, path in (("valid", args.valid_file), ("test", args.test_file)):
         if path is not None:
             structures = read_structures(path, f"--{name}-file")
@@ -168,6 +243,13 @@ def run(args: argparse.Namespace) -> dict:
     model = torch.nn.parallel.DistributedDataParallel(
         module, device_ids=[device.index] if device.type == "cuda" else None) if args.ddp else module
     result = fit(model, samples["train"], units, args, device, rank, world, valid_set=samples["valid"] or None)
+    # the kept model: the best finite validation loss, or (without validation) the last epoch's
+    losses = result.valid_losses if samples["valid"] else result.train_losses[-1:]
+    if not any(math.isfinite(x) for x in losses):
+        which = "validation" if samples["valid"] else "training"
+        raise CommandError(f"training diverged: no finite {which} loss in {len(result.train_losses)} epochs (the "
+                           f"last: {losses[-1] if losses else None}), so nothing was written; try a smaller --lr "
+                           f"(now {args.lr:g})")
     metrics = {"species": species, "epochs": len(result.train_losses), "best_epoch": result.best_epoch,
                "train_seconds": result.seconds, "num_train": len(samples["train"]), "world_size": world,
                "parameters": sum(p.numel() for p in module.parameters())}
@@ -176,10 +258,11 @@ def run(args: argparse.Namespace) -> dict:
             errors = evaluate(module, samples[name], units, device, args.amp)
             metrics[name] = {k: v for k, v in errors.items() if not k.startswith(("true_", "pred_"))}
     if rank == 0:
-        if args.save:
-            save_checkpoint(module, args.save, **units, metrics=metrics)  # written atomically
-        if args.metrics:
-            _write_json(args.metrics, metrics)
+        try:
+            _write(args, module, units, metrics)
+        except OSError as err:
+            raise CommandError(f"--save / --metrics: cannot write {err.filename or ''!r}: {err.strerror or err}; "
+                               "nothing was replaced") from None
         print(f"trained {metrics['epochs']} epochs in {result.seconds:.0f} s, kept epoch {result.best_epoch}"
               + (f"; checkpoint {args.save}" if args.save else ""))
         for name in ("valid", "test"):
@@ -205,7 +288,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     torch.set_default_dtype(DTYPES[args.dtype])
     try:
         return run(args)
-    except DataError as err:
+    except (DataError, CommandError) as err:
         opt.fail(str(err), prog=PROG)
     finally:
         torch.set_default_dtype(default)

@@ -46,6 +46,11 @@ def _stress(value) -> np.ndarray:
     raise ValueError(f"a stress of shape {list(value.shape)} (expected 6 Voigt components or 3 x 3)")
 
 
+def _no_atoms(atoms, where: str) -> None:
+    if len(atoms) == 0:
+        raise DataError(f"{where} has no atoms: remove it from the file")
+
+
 def read_structures(path: str, what: str = "--train-file"):
     """The structures of ``path`` (any format ASE reads), or a :class:`DataError` naming ``what``.
 
@@ -86,21 +91,32 @@ def _labels(atoms, keys: LabelKeys, where: str) -> dict:
         found += sorted(getattr(atoms.calc, "results", None) or {})
         raise DataError(f"{where} has no forces under the key {keys.forces!r} (--forces-key): training needs "
                         f"forces; it has {found}")
-    forces = np.asarray(forces, dtype=np.float64)
+    try:
+        energy = float(np.asarray(energy, dtype=np.float64).reshape(()))
+    except (TypeError, ValueError):
+        raise DataError(f"{where}: the energy {keys.energy!r} is {energy!r}, not one number") from None
+    try:
+        forces = np.asarray(forces, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise DataError(f"{where}: the forces {keys.forces!r} are not numbers") from None
     if forces.shape != (len(atoms), 3):
         raise DataError(f"{where}: the forces {keys.forces!r} have shape {list(forces.shape)}, expected "
                         f"[{len(atoms)}, 3]")
-    labels = {"energy": float(np.asarray(energy).reshape(())), "forces": forces}
+    labels = {"energy": energy, "forces": forces}
     if keys.stress is not None:
         stress = atoms.info.get(keys.stress, _result(atoms, keys.stress))
         if stress is None:
             raise DataError(f"{where} has no stress under the key {keys.stress!r} (--stress-key)")
         try:
             labels["stress"] = _stress(stress)
-        except ValueError as err:
+        except (TypeError, ValueError) as err:
             raise DataError(f"{where}: the stress {keys.stress!r} is {err}") from None
         if atoms.cell.rank != 3:
             raise DataError(f"{where} has a stress but no cell of three lattice vectors (no volume)")
+    for name, value in labels.items():
+        if not np.isfinite(value).all():
+            key = getattr(keys, name)
+            raise DataError(f"{where}: the {name} {key!r} holds NaN or infinite values")
     return labels
 
 
@@ -121,6 +137,8 @@ def to_sample(atoms, species: Sequence[str], max_radius: float, keys: Optional[L
         >>> sample["species"].tolist(), sample["edge_index"].shape
         ([1, 0, 0], torch.Size([2, 6]))
     """
+    if keys is not None:  # a structure to train on or to evaluate (predictions take empty ones)
+        _no_atoms(atoms, where)
     symbols = atoms.get_chemical_symbols()
     unknown = sorted(set(symbols) - set(species))
     if unknown:
@@ -203,6 +221,12 @@ def fit_references(samples: Sequence[dict], species: Sequence[str], energy_scale
         scale = torch.cat([s["forces"] for s in samples]).double().pow(2).mean().sqrt()
     else:
         scale = ((energies - counts @ refs) / counts.sum(1)).std(unbiased=False)
+    if not 0 < float(scale) < float("inf"):
+        why = ("the training forces are all zero" if energy_scale == "force_rms" else
+               "the training energies per atom are all explained by the reference energies (one structure?)")
+        other = "energy_std" if energy_scale == "force_rms" else "force_rms"
+        raise DataError(f"--energy-scale {energy_scale}: the scale is {float(scale):g}: {why}; try --energy-scale "
+                        f"{other}")
     return {"species": list(species), "energy_references": refs.tolist(), "energy_scale": float(scale)}
 
 

@@ -1,0 +1,171 @@
+"""The training command against a careful user's inputs: outputs that would overwrite inputs, labels that cannot
+be trained on, runs that diverge, model options that build no model; each stops with one line and exit status 2,
+and nothing the user saved is replaced."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("ase")
+from ase import Atoms  # noqa: E402
+from ase.io import write  # noqa: E402
+
+from e3attn._files import atomic_write  # noqa: E402
+from e3attn.train import cli  # noqa: E402
+from test_train import TINY, frames  # noqa: E402
+
+KEYS = ["--energy-key", "REF_energy", "--forces-key", "REF_forces"]
+
+
+@pytest.fixture(scope="module")
+def train_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("inputs") / "train.xyz"
+    write(path, frames(12, 0, ref_keys=True))
+    return path
+
+
+def stops(argv, capsys, fragment):
+    """Run the command; it must stop with one line naming ``fragment`` and exit status 2."""
+    with pytest.raises(SystemExit) as stop:
+        cli.main([str(a) for a in argv] + TINY)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("e3attn-train: error: ") and fragment in err and "Traceback" not in err, err
+    return err
+
+
+def written(path, structures):
+    write(path, structures)
+    return path
+
+
+def test_an_output_that_is_an_input_or_the_other_output_is_refused(train_file, tmp_path, capsys):
+    before = train_file.read_bytes()
+    stops(["--train-file", train_file, "--metrics", train_file] + KEYS, capsys,
+          "argument --metrics: '%s' is the file of --train-file: it would be overwritten" % train_file)
+    same = tmp_path / "same.pt"
+    stops(["--train-file", train_file, "--save", same, "--metrics", same] + KEYS, capsys,
+          "argument --metrics: '%s' is the file of --save" % same)
+    assert train_file.read_bytes() == before and not same.exists()
+
+
+def test_a_failed_metrics_write_replaces_neither_file(train_file, tmp_path, monkeypatch, capsys):
+    checkpoint, metrics = tmp_path / "keep.pt", tmp_path / "metrics.json"
+    checkpoint.write_bytes(b"the user's earlier model")
+    metrics.write_text("the user's earlier metrics")
+
+    def broken(*args, **kwargs):  # json.dump on a full disk
+        raise OSError(28, "No space left on device", str(metrics))
+
+    monkeypatch.setattr(json, "dump", broken)
+    stops(["--train-file", train_file, "--save", checkpoint, "--metrics", metrics] + KEYS, capsys,
+          "--save / --metrics: cannot write")
+    assert checkpoint.read_bytes() == b"the user's earlier model"
+    assert metrics.read_text() == "the user's earlier metrics"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.pt", "metrics.json"]  # no temporary left
+
+
+def test_a_name_of_255_characters_is_written(tmp_path):
+    """The temporary file beside it (a dot, a cut of the name, a random tag) fits in the same folder."""
+    path = tmp_path / ("x" * 250 + ".json")
+    with atomic_write(path, "w") as file:
+        file.write("{}")
+    assert path.read_text() == "{}"
+
+
+def test_a_diverged_run_writes_nothing(train_file, tmp_path, capsys):
+    checkpoint = tmp_path / "good.pt"
+    checkpoint.write_bytes(b"a good model")
+    stops(["--train-file", train_file, "--save", checkpoint, "--lr", "1e8"] + KEYS, capsys,
+          "training diverged: no finite validation loss in 2 epochs")
+    assert checkpoint.read_bytes() == b"a good model"
+
+
+def test_metrics_are_valid_json_without_nan():
+    assert cli._finite({"a": [1.0, float("nan")], "b": {"c": float("inf"), "d": 2}}) == {"a": [1.0, None],
+                                                                                      "b": {"c": None, "d": 2}}
+
+
+def labelled(energy, forces, numbers=(29, 28, 29)):
+    atoms = Atoms(numbers=list(numbers), positions=np.arange(3.0 * len(numbers)).reshape(-1, 3) * 0.8)
+    atoms.info["REF_energy"] = energy
+    atoms.arrays["REF_forces"] = np.asarray(forces, dtype=float)
+    return atoms
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    (labelled(-1.0, [[0.1, np.nan, 0], [0, 0, 0], [0, 0, 0]]), "the forces 'REF_forces' holds NaN or infinite values"),
+    (labelled(np.nan, np.zeros((3, 3)) + 0.1), "the energy 'REF_energy' holds NaN or infinite values"),
+    (labelled("abc", np.zeros((3, 3)) + 0.1), "the energy 'REF_energy' is 'abc', not one number"),
+    (labelled(np.array([1.0, 2.0]), np.zeros((3, 3)) + 0.1), "not one number"),
+])
+def test_labels_that_are_no_numbers_are_named(train_file, tmp_path, capsys, bad, fragment):
+    from ase.io import read
+
+    path = written(tmp_path / "bad.xyz", read(train_file, index=":5") + [bad])
+    err = stops(["--train-file", path, "--valid-fraction", "0"] + KEYS, capsys, fragment)
+    assert "structure 5 (from 0)" in err
+
+
+def test_a_structure_without_atoms_is_named(train_file, tmp_path, capsys):
+    from ase.io import read
+
+    empty = Atoms()
+    empty.info["REF_energy"] = 0.0
+    path = written(tmp_path / "empty.xyz", read(train_file, index=":4") + [empty])
+    stops(["--train-file", path] + KEYS, capsys, "structure 4 (from 0) of '%s' has no atoms" % path)
+
+
+def test_a_zero_energy_scale_is_refused(tmp_path, capsys):
+    relaxed = written(tmp_path / "relaxed.xyz", [labelled(-1.0 - i, np.zeros((3, 3))) for i in range(4)])
+    stops(["--train-file", relaxed, "--valid-fraction", "0"] + KEYS, capsys,
+          "--energy-scale force_rms: the scale is 0: the training forces are all zero; try --energy-scale energy_std")
+    one = written(tmp_path / "one.xyz", [labelled(-1.0, np.ones((3, 3)))])
+    stops(["--train-file", one, "--valid-fraction", "0", "--energy-scale", "energy_std"] + KEYS, capsys,
+          "--energy-scale energy_std: the scale is 0")
+
+
+def test_an_element_held_out_for_validation_only_is_refused(train_file, tmp_path, capsys):
+    """With --seed 0 and a tenth of 12 structures held out, structure 7 is the one validation structure."""
+    from ase.io import read
+
+    structures = read(train_file, index=":")
+    from e3attn.train.data import split
+    held = split(list(range(12)), 0.1, 0)[1]
+    structures[held[0]].numbers[0] = 79  # gold, in no training structure
+    path = written(tmp_path / "gold.xyz", structures)
+    stops(["--train-file", path, "--valid-fraction", "0.1", "--seed", "0"] + KEYS, capsys,
+          "the elements ['Au'] are only in structures held out for validation")
+
+
+@pytest.mark.parametrize("options, fragment", [
+    (["--hidden", "8x0e + 4x1o", "--heads", "3"], "cannot be split into 3 heads"),
+    (["--hidden", "4x1o"], "even scalars (0e)"),
+])
+def test_model_options_that_build_no_model_are_one_line(train_file, capsys, options, fragment):
+    with pytest.raises(SystemExit) as stop:
+        cli.parse_args(["--train-file", str(train_file)] + options)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert "the model options (--hidden, --heads, --lmax, --density, ...) do not build a model" in err and fragment in err
+
+
+def test_the_command_line_choice_of_validation_wins_over_the_config(train_file, tmp_path):
+    config = tmp_path / "train.yaml"
+    config.write_text(f"train_file: {train_file}\nvalid_fraction: 0.1\n")
+    args = cli.parse_args(["--config", str(config), "--valid-file", str(train_file)])
+    assert args.valid_file == str(train_file) and args.valid_fraction is None
+    config.write_text(f"train_file: {train_file}\nvalid_file: {train_file}\n")
+    args = cli.parse_args(["--config", str(config), "--valid-fraction", "0.2"])
+    assert args.valid_file is None and args.valid_fraction == 0.2
+
+
+def test_a_stress_key_given_but_found_nowhere_is_refused(train_file, capsys):
+    stops(["--train-file", train_file, "--stress-key", "REF_strss"] + KEYS, capsys,
+          "no structure has a stress under the key 'REF_strss' (--stress-key)")
+
+
+def test_the_default_dtype_is_restored_after_a_refusal(train_file, capsys):
+    stops(["--train-file", train_file, "--stress-key", "REF_strss", "--dtype", "float64"] + KEYS, capsys, "REF_strss")
+    assert torch.get_default_dtype() == torch.float32
