@@ -29,7 +29,7 @@ from ..models import save_checkpoint
 from . import options as opt
 from .config import config_arguments
 from .data import DataError, LabelKeys, fit_references, mean_neighbors, read_structures, split, to_sample
-from .loop import fit, init_distributed
+from .loop import fit, init_distributed, synced_max
 from .model import build_model, evaluate
 
 __all__ = ["parse_args", "load_data", "run", "main", "CommandError"]
@@ -245,7 +245,10 @@ def run(args: argparse.Namespace) -> dict:
     result = fit(model, samples["train"], units, args, device, rank, world, valid_set=samples["valid"] or None)
     # the kept model: the best finite validation loss, or (without validation) the last epoch's
     losses = result.valid_losses if samples["valid"] else result.train_losses[-1:]
-    if not any(math.isfinite(x) for x in losses):
+    diverged = not any(math.isfinite(x) for x in losses)
+    if synced_max(float(diverged), args.ddp, device):  # every process decides alike (training losses are its own)
+        if args.ddp:
+            dist.destroy_process_group()
         which = "validation" if samples["valid"] else "training"
         raise CommandError(f"training diverged: no finite {which} loss in {len(result.train_losses)} epochs (the "
                            f"last: {losses[-1] if losses else None}), so nothing was written; try a smaller --lr "
@@ -257,22 +260,24 @@ def run(args: argparse.Namespace) -> dict:
         if samples.get(name) and rank == 0:
             errors = evaluate(module, samples[name], units, device, args.amp)
             metrics[name] = {k: v for k, v in errors.items() if not k.startswith(("true_", "pred_"))}
-    if rank == 0:
-        try:
-            _write(args, module, units, metrics)
-        except OSError as err:
-            raise CommandError(f"--save / --metrics: cannot write {err.filename or ''!r}: {err.strerror or err}; "
-                               "nothing was replaced") from None
-        print(f"trained {metrics['epochs']} epochs in {result.seconds:.0f} s, kept epoch {result.best_epoch}"
-              + (f"; checkpoint {args.save}" if args.save else ""))
-        for name in ("valid", "test"):
-            if name in metrics:
-                print(_line(name, metrics[name]))
-    if args.ddp:
-        # every rank waits for rank 0's evaluation and writes: no rank tears the group down with work in flight
-        # (a rank that did could hang in gloo's teardown, seen as a rank that never exits)
-        dist.barrier()
-        dist.destroy_process_group()
+    try:
+        if rank == 0:
+            try:
+                _write(args, module, units, metrics)
+            except OSError as err:
+                raise CommandError(f"--save / --metrics: cannot write {err.filename or ''!r}: "
+                                   f"{err.strerror or err}; nothing was replaced") from None
+            print(f"trained {metrics['epochs']} epochs in {result.seconds:.0f} s, kept epoch {result.best_epoch}"
+                  + (f"; checkpoint {args.save}" if args.save else ""))
+            for name in ("valid", "test"):
+                if name in metrics:
+                    print(_line(name, metrics[name]))
+    finally:
+        if args.ddp:
+            # every rank waits for rank 0's evaluation and writes (or its failure): no rank tears the group down
+            # with work in flight (a rank that did could hang in gloo's teardown, seen as a rank that never exits)
+            dist.barrier()
+            dist.destroy_process_group()
     return metrics
 
 
