@@ -84,6 +84,14 @@ def check_device(value: Any, name: str) -> Optional[torch.device]:
     return device
 
 
+def spans_volume(cell: np.ndarray) -> bool:
+    """Whether the three rows of ``cell`` ``[3, 3]`` span a volume: ``|det|`` beyond rounding of the product of
+    their lengths (ASE's ``cell.rank`` counts non-zero rows only: three coplanar vectors have rank 3, no volume)."""
+    cell = np.asarray(cell, dtype=np.float64)
+    lengths = np.linalg.norm(cell, axis=1).prod()
+    return bool(lengths > 0 and abs(np.linalg.det(cell)) > 1e-10 * lengths)
+
+
 def check_floating(x: torch.Tensor, name: str) -> None:
     """``x`` must be a floating-point tensor."""
     if not isinstance(x, torch.Tensor):

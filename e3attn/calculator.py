@@ -41,7 +41,7 @@ try:
 except ImportError as error:  # pragma: no cover - exercised only without ASE
     raise ImportError("e3attn.calculator needs ASE: pip install ase (or pip install 'e3attn[examples]')") from error
 
-from ._checks import check_device, check_real, values_checked_by_caller
+from ._checks import check_device, check_real, spans_volume, values_checked_by_caller
 from ._cuda_graph import ReplayedCall
 from ._memory import keep_freed_memory
 from ._verlet import VerletList
@@ -63,13 +63,6 @@ DEFAULT_SKIN = 0.5
 #: per-edge tensors reach several MiB and their page faults start to count.
 KEEP_MEMORY_EDGES = 50_000
 STRESS = ("when_asked", "always")
-
-
-def _has_volume(cell: np.ndarray) -> bool:
-    """Whether the three rows of ``cell`` span a volume: ``|det|`` beyond rounding of the lengths' product (ASE's
-    ``cell.rank`` counts non-zero rows only, so three coplanar vectors have rank 3 but no volume)."""
-    lengths = np.linalg.norm(cell, axis=1).prod()
-    return bool(lengths > 0 and abs(np.linalg.det(cell)) > 1e-10 * lengths)
 
 
 def _atomic_numbers(species: Sequence[Union[str, int]]) -> np.ndarray:
@@ -337,7 +330,7 @@ class E3AttnCalculator(Calculator):
         super().calculate(atoms, properties, system_changes)
         atoms = self.atoms
         node_attr, energy = self._elements_of(atoms.numbers)
-        has_volume = _has_volume(atoms.cell.array)
+        has_volume = spans_volume(atoms.cell.array)
         if "stress" in properties and not has_volume:
             raise PropertyNotImplementedError("stress needs a cell of three linearly independent lattice vectors "
                                               "(a volume)")

@@ -408,3 +408,29 @@ def test_saving_again_writes_through_a_link_and_keeps_the_permissions(tmp_path):
     assert link.is_symlink() and load_checkpoint(target)[1] == {"note": "second"}
     assert oct(target.stat().st_mode & 0o777) == oct(0o600)
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["current.pt", "store", "v1.pt"]  # no temporary left
+
+
+@pytest.mark.parametrize("value", [
+    torch.tensor([1 + 2j, 3j]).conj(), torch.tensor([1 + 2j, 3j]).conj().imag, torch.eye(3).to_sparse(),
+    torch.arange(6.0).reshape(2, 3).t(),
+    torch.zeros(2, device="meta"), torch.ones(2, dtype=torch.bool), torch.zeros(3, dtype=torch.bfloat16),
+])
+def test_extras_of_any_tensor_kind_save_load_and_are_verified(tmp_path, value):
+    """Conjugate and negative views, sparse, transposed and meta tensors: digested as they load back."""
+    path = tmp_path / "model.pt"
+    save_checkpoint(small_model(), path, x=value, y=1)
+    assert load_checkpoint(path)[1]["y"] == 1
+    payload = torch.load(path, weights_only=True)
+    payload["extra"]["y"] = 2
+    torch.save(payload, path)
+    with pytest.raises(ValueError, match="do not match the SHA-256"):
+        load_checkpoint(path)
+
+
+def test_entries_that_cannot_be_digested_are_a_damaged_file(tmp_path):
+    path = tmp_path / "model.pt"
+    payload = edited(small_model())
+    payload["extra"] = {(1, "a"): 1, (1, 2): 2}  # keys that do not compare (no checkpoint written by e3attn)
+    torch.save(payload, path)
+    with pytest.raises(ValueError, match="do not match the SHA-256"):
+        load_checkpoint(path)

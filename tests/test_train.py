@@ -274,7 +274,7 @@ def test_an_existing_checkpoint_survives_a_failed_save(data, tmp_path, monkeypat
         cli.main(["--train-file", str(data["ptrain"]), "--save", str(checkpoint)] + TINY + ["--epochs", "1"])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and len(err.strip().splitlines()) == 1
-    assert "--save / --metrics: cannot write" in err and "disk full" in err and "nothing was replaced" in err
+    assert f"cannot write --save '{checkpoint}': disk full; neither file was replaced" in err
     assert checkpoint.read_bytes() == b"the user's earlier model"
     assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
 

@@ -60,18 +60,48 @@ def test_a_failed_metrics_write_replaces_neither_file(train_file, tmp_path, monk
 
     monkeypatch.setattr(json, "dump", broken)
     stops(["--train-file", train_file, "--save", checkpoint, "--metrics", metrics] + KEYS, capsys,
-          "--save / --metrics: cannot write")
+          f"cannot write --save '{checkpoint}' and --metrics '{metrics}': No space left on device; neither file was "
+          "replaced")
     assert checkpoint.read_bytes() == b"the user's earlier model"
     assert metrics.read_text() == "the user's earlier metrics"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.pt", "metrics.json"]  # no temporary left
 
 
-def test_a_name_of_255_characters_is_written(tmp_path):
-    """The temporary file beside it (a dot, a cut of the name, a random tag) fits in the same folder."""
-    path = tmp_path / ("x" * 250 + ".json")
-    with atomic_write(path, "w") as file:
-        file.write("{}")
-    assert path.read_text() == "{}"
+@pytest.mark.parametrize("failing", ["keep.pt", "metrics.json"])
+def test_a_full_disk_at_either_file_s_last_flush_replaces_neither_file(train_file, tmp_path, monkeypatch, capsys,
+                                                                        failing):
+    """Both files flushed to disk before either is renamed: whichever flush fails, neither target changes."""
+    import os
+
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc/self/fd to tell the files apart")
+    checkpoint, metrics = tmp_path / "keep.pt", tmp_path / "metrics.json"
+    checkpoint.write_bytes(b"the user's earlier model")
+    metrics.write_text("the user's earlier metrics")
+    fsync = os.fsync
+
+    def full(descriptor):
+        if os.path.basename(os.readlink(f"/proc/self/fd/{descriptor}")).startswith(f".{failing}."):
+            raise OSError(28, "No space left on device")
+        return fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", full)
+    stops(["--train-file", train_file, "--save", checkpoint, "--metrics", metrics] + KEYS, capsys,
+          "No space left on device; neither file was replaced")
+    assert checkpoint.read_bytes() == b"the user's earlier model"
+    assert metrics.read_text() == "the user's earlier metrics"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.pt", "metrics.json"]
+
+
+@pytest.mark.parametrize("name", ["x" * 250 + ".json", "\u6a21" * 84])  # 255 and 252 bytes
+def test_a_name_of_255_bytes_is_written(tmp_path, name):
+    """The temporary file beside it (a dot, a cut of the name's bytes, a random tag) fits in the same folder."""
+    path = tmp_path / name
+    for text in ("{}", "[]"):  # new, then replaced
+        with atomic_write(path, "w") as file:
+            file.write(text)
+        assert path.read_text() == text
+    assert [p.name for p in tmp_path.iterdir()] == [name]
 
 
 def test_a_diverged_run_writes_nothing(train_file, tmp_path, capsys):
@@ -159,6 +189,23 @@ def test_the_command_line_choice_of_validation_wins_over_the_config(train_file, 
     config.write_text(f"train_file: {train_file}\nvalid_file: {train_file}\n")
     args = cli.parse_args(["--config", str(config), "--valid-fraction", "0.2"])
     assert args.valid_file is None and args.valid_fraction == 0.2
+
+
+def test_abbreviated_options_are_refused(train_file, tmp_path, capsys):
+    """The config's options are merged by their full names: an abbreviation would slip past that."""
+    for option in ("--valid-fi", "--stress-k"):
+        with pytest.raises(SystemExit) as stop:
+            cli.parse_args(["--train-file", str(train_file), option, "x"])
+        assert stop.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_a_stress_label_without_a_volume_is_named(tmp_path, capsys):
+    atoms = labelled(-1.0, np.ones((3, 3)))
+    atoms.set_cell([[4.0, 0, 0], [0, 4.0, 0], [4.0, 4.0, 0]])
+    atoms.info["REF_stress"] = np.zeros(6)
+    path = written(tmp_path / "flat.xyz", [atoms] * 3)
+    stops(["--train-file", path, "--stress-key", "REF_stress", "--valid-fraction", "0"] + KEYS, capsys,
+          "has a stress but no cell of three linearly independent lattice vectors (no volume)")
 
 
 def test_a_stress_key_given_but_found_nowhere_is_refused(train_file, capsys):

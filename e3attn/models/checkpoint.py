@@ -105,16 +105,27 @@ def _content_digest(checkpoint: Mapping[str, Any]) -> str:
     def add(value: Any) -> None:
         digest.update(f"<{type(value).__name__}>".encode())
         if isinstance(value, torch.Tensor):
-            tensor = value.detach().cpu().contiguous()
-            digest.update(f"{tensor.dtype}|{list(tensor.shape)}|".encode())
-            digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+            tensor = value.detach()
+            digest.update(f"{tensor.dtype}|{list(tensor.shape)}|{tensor.layout}|".encode())
+            if tensor.device.type == "meta":  # no data
+                return
+            tensor = tensor.to_dense() if tensor.layout != torch.strided else tensor
+            if tensor.is_quantized:  # its integers, and the parameters that map them to numbers
+                per_tensor = tensor.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric)
+                for item in ([tensor.q_scale(), tensor.q_zero_point()] if per_tensor else
+                             [tensor.q_per_channel_scales(), tensor.q_per_channel_zero_points()]):
+                    add(item)
+                tensor = tensor.int_repr()
+            flat = torch.empty(tensor.numel(), dtype=tensor.dtype)  # a plain copy, whatever the view's strides
+            flat.copy_(tensor.resolve_conj().resolve_neg().reshape(-1))
+            digest.update(flat.view(torch.uint8).numpy())
         elif isinstance(value, (list, tuple)):
             digest.update(f"{len(value)}|".encode())
             for item in value:
                 add(item)
         elif isinstance(value, dict):
             digest.update(f"{len(value)}|".encode())
-            for key in sorted(value, key=lambda k: (type(k).__name__, k)):
+            for key in sorted(value, key=lambda k: (type(k).__name__, repr(k))):
                 add(key)
                 add(value[key])
         elif isinstance(value, float):
@@ -125,6 +136,14 @@ def _content_digest(checkpoint: Mapping[str, Any]) -> str:
     for key in ("class", "config", "dtype", "extra"):
         add(checkpoint[key])
     return digest.hexdigest()
+
+
+def _digest_or_none(checkpoint: Mapping[str, Any]):
+    """The content digest of a loaded checkpoint, or None where its entries cannot be digested (damaged)."""
+    try:
+        return _content_digest(checkpoint)
+    except Exception:  # a foreign or damaged file's entries: any failure means they are not what was saved
+        return None
 
 
 def save_checkpoint(model: torch.nn.Module, path: PathLike, **extra: Any) -> None:
@@ -267,7 +286,7 @@ def _rebuild(checkpoint: Any, where: str, device: torch.device) -> Tuple[torch.n
         raise ValueError(f"{where} is a damaged checkpoint: its state_dict must map names to tensors")
     if "weights_sha256" in _DIGESTS[found] and _weights_digest(state_dict) != checkpoint["weights_sha256"]:
         raise ValueError(f"{where} is corrupted: its weights do not match the SHA-256 digest stored with them")
-    if "content_sha256" in _DIGESTS[found] and _content_digest(checkpoint) != checkpoint["content_sha256"]:
+    if "content_sha256" in _DIGESTS[found] and _digest_or_none(checkpoint) != checkpoint["content_sha256"]:
         raise ValueError(f"{where} is corrupted: its class, config, dtype or extras do not match the SHA-256 "
                          "digest stored with them")
     try:

@@ -14,7 +14,6 @@ the saved model is that of the epoch of least validation loss. At the end one li
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -24,7 +23,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .._files import atomic_write
+from .._files import atomic_writes
 from ..models import save_checkpoint
 from . import options as opt
 from .config import config_arguments
@@ -47,7 +46,7 @@ UNITS = {"energy_mae_meV_per_atom": ("energy", "meV/atom"), "force_mae_meV_per_A
 
 
 def _parser() -> opt.ArgumentParser:
-    p = opt.ArgumentParser(__doc__, prog=PROG)
+    p = opt.ArgumentParser(__doc__, prog=PROG, allow_abbrev=False)  # options are told apart by their full names
     p.add_argument("--config", metavar="YAML", help="options as a YAML mapping (command-line options win)")
     p.add_argument("--train-file", required=True, help="training structures (any file ASE reads)")
     p.add_argument("--valid-file", help="validation structures (default: --valid-fraction of the training file)")
@@ -130,7 +129,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """
     p = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config")
     path = pre.parse_known_args(argv)[0].config
     if path is not None:
@@ -185,15 +184,19 @@ def _finite(data):
 
 
 def _write(args: argparse.Namespace, module: torch.nn.Module, units: dict, metrics: dict) -> None:
-    """``--save`` and ``--metrics``, each replaced whole or not at all; both new files are written before either
-    replaces its target, so a failure (a full disk, a name too long) leaves both as they were."""
-    with contextlib.ExitStack() as stack:
-        files = {name: stack.enter_context(atomic_write(getattr(args, name), mode))
-                 for name, mode in (("save", "wb"), ("metrics", "w")) if getattr(args, name)}
-        if "save" in files:
-            save_checkpoint(module, files["save"], **units, metrics=metrics)
-        if "metrics" in files:
-            json.dump(_finite(metrics), files["metrics"], indent=1, allow_nan=False)
+    """``--save`` and ``--metrics``, each replaced whole or not at all: both new files are written and flushed to
+    disk before either replaces its target, so a failure (a full disk, a name too long) leaves both as they were."""
+    names = [name for name in ("save", "metrics") if getattr(args, name)]
+    try:
+        with atomic_writes(*((getattr(args, name), "wb" if name == "save" else "w") for name in names)) as files:
+            for name, file in zip(names, files):
+                if name == "save":
+                    save_checkpoint(module, file, **units, metrics=metrics)
+                else:
+                    json.dump(_finite(metrics), file, indent=1, allow_nan=False)
+    except OSError as err:
+        given = " and ".join(f"--{name} {getattr(args, name)!r}" for name in names)
+        raise CommandError(f"cannot write {given}: {err.strerror or err}; neither file was replaced") from None
 
 
 def _line(split: str, errors: dict) -> str:
@@ -262,11 +265,7 @@ def run(args: argparse.Namespace) -> dict:
             metrics[name] = {k: v for k, v in errors.items() if not k.startswith(("true_", "pred_"))}
     try:
         if rank == 0:
-            try:
-                _write(args, module, units, metrics)
-            except OSError as err:
-                raise CommandError(f"--save / --metrics: cannot write {err.filename or ''!r}: "
-                                   f"{err.strerror or err}; nothing was replaced") from None
+            _write(args, module, units, metrics)
             print(f"trained {metrics['epochs']} epochs in {result.seconds:.0f} s, kept epoch {result.best_epoch}"
                   + (f"; checkpoint {args.save}" if args.save else ""))
             for name in ("valid", "test"):

@@ -13,6 +13,7 @@ from typing import List, NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
+from .._checks import spans_volume
 from ..graph import radius_graph_pbc
 
 __all__ = ["DataError", "LabelKeys", "read_structures", "to_sample", "collate", "fit_references"]
@@ -111,8 +112,9 @@ def _labels(atoms, keys: LabelKeys, where: str) -> dict:
             labels["stress"] = _stress(stress)
         except (TypeError, ValueError) as err:
             raise DataError(f"{where}: the stress {keys.stress!r} is {err}") from None
-        if atoms.cell.rank != 3:
-            raise DataError(f"{where} has a stress but no cell of three lattice vectors (no volume)")
+        if not spans_volume(atoms.cell.array):
+            raise DataError(f"{where} has a stress but no cell of three linearly independent lattice vectors (no "
+                            "volume)")
     for name, value in labels.items():
         if not np.isfinite(value).all():
             key = getattr(keys, name)
