@@ -1,6 +1,7 @@
 """Small irreps utilities used at construction time (never inside ``forward``)."""
 from __future__ import annotations
 
+import warnings
 from typing import FrozenSet, List, Optional, Tuple, Union
 
 import torch
@@ -23,6 +24,10 @@ def support(value: Optional[IrrepsLike], name: str, irreps: o3.Irreps) -> Option
     if value is None:
         return None
     kept = frozenset((ir.l, ir.p) for _, ir in as_irreps(value, name))
+    if not any((ir.l, ir.p) in kept for mul, ir in irreps if mul > 0):  # all zero: rarely what was meant
+        shown = o3.Irreps([(1, (l, p)) for l, p in sorted(kept)])
+        warnings.warn(f"{name} {shown} shares no irrep with {irreps}: every value there is taken as zero, and the "
+                      "layer's output is zero", stacklevel=3)
     return None if all((ir.l, ir.p) in kept for _, ir in irreps) else kept
 
 

@@ -116,6 +116,8 @@ def test_layer_supports_are_checked_and_shown():
         _layer("scalars")
     with pytest.raises(ValueError, match="output_support"):
         _layer(None, "1x")
+    with pytest.warns(UserWarning, match="output_support 1x2o shares no irrep"):  # a typo: the output all zero
+        _layer(None, "2o")
 
 
 def test_layer_with_supports_on_the_triton_kernels(float64_default):
@@ -188,13 +190,15 @@ def test_a_support_that_keeps_no_path(float64_default):
     """An input support without any irrep of the input: the layer's output and its gradients are zero on both
     formulations (no path is left: the kernels run on empty layouts), and a model whose hidden irreps the embedding
     cannot reach runs, with the whole model's zero energy."""
-    layer = _layer("2e", None)
+    with pytest.warns(UserWarning, match=r"input_support 1x2e shares no irrep with .*the layer's output is zero"):
+        layer = _layer("2e", None)
     pos = torch.randn(10, 3, generator=torch.Generator().manual_seed(6))
     f = torch.randn(10, layer.irreps_input.dim)
     for run in (lambda: _force_step(layer, f, pos), lambda: plain(lambda: _force_step(layer, f, pos))):
         out, grad, _ = run()
         assert not out.any() and not grad.any()
-    model = EquivariantTransformer("1x0e", "2x0o + 2x1o", "0e", 2.0, reduce="sum", num_layers=2)
+    with pytest.warns(UserWarning, match="input_support 1x0e shares no irrep with 2x0o"):
+        model = EquivariantTransformer("1x0e", "2x0o + 2x1o", "0e", 2.0, reduce="sum", num_layers=2)
     assert model.layers[0].attention.input_support == {(0, 1)}  # none of the hidden irreps
     assert not model(pos).any()  # (nothing reaches the output from the positions either)
 

@@ -127,3 +127,40 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="tol must be a non-negative number"):
         assert_equivariant(exact_model, args, *SPECS, tol=True)
     assert assert_equivariant(exact_model, args, *SPECS, tol=np.float32(1e-12), ntrials=np.int64(1)) < 1e-12
+
+
+def _three_points(scale=1.0):
+    return torch.tensor([[0.0, 0, 0], [0.5, 0, 0], [0, 0.7, 0.2]], dtype=torch.float64) * scale
+
+
+def test_smooth_cutoff_builds_its_distances_in_the_dtype_of_the_positions():
+    """Under float32 defaults, float64 positions: a smooth layer passes (its distances r - 3 eps, r - eps, r + eps
+    evenly spaced), and a step at a cutoff of 100 is seen (in float32 the three distances would all be 100)."""
+    from e3attn import EquivariantAttention
+
+    with _default_dtype(torch.float32):
+        torch.manual_seed(0)
+        layer = EquivariantAttention("2x0e", "2x0e", "2x0e", "2x0e", 1.5).double()
+        f = torch.randn(3, 2, dtype=torch.float64)
+        assert_smooth_cutoff(lambda p, f: layer(f, p), _three_points(), f, max_radius=1.5, node=2, center=0)
+        wide = EquivariantAttention("2x0e", "2x0e", "2x0e", "2x0e", 100.0).double()
+
+        def stepped(p, f):
+            return wide(f, p)[0] + 0.01 * ((p[2] - p[0]).norm() < 100.0).double()
+
+        with pytest.raises(AssertionError, match="output jumps by 1.000e-02"):
+            assert_smooth_cutoff(stepped, _three_points(100 / 1.5), f, max_radius=100.0, node=2, center=0)
+        with pytest.raises(ValueError, match="eps=1e-06 is below the resolution of torch.float32 at max_radius=100"):
+            assert_smooth_cutoff(stepped, _three_points(100 / 1.5).float(), f.float(), max_radius=100.0, node=2)
+
+
+def test_permutation_helper_names_arguments_and_outputs_not_indexed_by_node():
+    from e3attn.testing import assert_permutation_equivariant
+
+    pos, edge_index = torch.randn(5, 3), torch.tensor([[0, 1], [1, 0]])
+    with pytest.raises(ValueError, match=r"args_in\[1\] is not indexed by node .* \(an edge_index is not\)"):
+        assert_permutation_equivariant(lambda p, e: p, [pos, edge_index])
+    with pytest.raises(ValueError, match=r"output 0 has shape \[1\], not one row per node \(5\): mark outputs pooled"):
+        assert_permutation_equivariant(lambda p: p.sum(0, keepdim=True)[:, 0], [pos])
+    assert assert_permutation_equivariant(lambda p: p.sum(0, keepdim=True)[:, 0], [pos], node_outputs=[False]) < 1e-6
+    assert assert_permutation_equivariant(lambda p, e: p * 2, [pos, edge_index], node_args=[0]) == 0.0

@@ -71,7 +71,9 @@ def assert_smooth_cutoff(
     * the gradient of ``func(...).sum()`` w.r.t. ``pos`` is finite at
       :math:`d = 0, 10^{-6}, r_\mathrm{max} \pm \epsilon, 2 r_\mathrm{max}`.
 
-    Use float64 inputs: in float32, ``eps = 1e-6`` is below the resolution.
+    Use float64 inputs: in float32, ``eps = 1e-6`` is below the resolution. The distances are built in the dtype
+    of ``pos``, and refused when ``r_max - 3 eps``, ``r_max - eps`` and ``r_max + eps`` do not rise there (the jump
+    test would be blind).
 
     Returns:
         the measured ``{"jump": ..., "jump_raw": ..., "max_step": ..., "max_step_refined": ...}``.
@@ -79,20 +81,24 @@ def assert_smooth_cutoff(
     Raises:
         AssertionError: describing the failed check, or naming the distance at
             which an output is not finite.
+        ValueError: when ``eps`` is below the resolution of ``pos``'s dtype at ``max_radius``.
     """
     r = check_positive(max_radius, "max_radius")
     eps, tol = check_positive(eps, "eps"), check_positive(tol, "tol")
     num = check_int(num, "num", 1)
-    before2, before, after = neighbour_scan(
-        func, pos, *args, distances=torch.tensor([r - 3 * eps, r - eps, r + eps]), node=node, center=center
-    )
+    near = torch.tensor([r - 3 * eps, r - eps, r + eps], dtype=pos.dtype, device=pos.device)
+    if not bool((near[1:] > near[:-1]).all()):
+        raise ValueError(f"eps={eps:g} is below the resolution of {pos.dtype} at max_radius={r:g} (r - 3 eps, "
+                         f"r - eps and r + eps round to {near.tolist()}): use float64 positions or a larger eps")
+    before2, before, after = neighbour_scan(func, pos, *args, distances=near, node=node, center=center)
     jump_raw = (after - before).abs().max().item()
     jump = ((after - before) - (before - before2)).abs().max().item()
     if not jump < tol:
         raise AssertionError(f"output jumps by {jump:.3e} >= {tol:.1e} across the cutoff r = {r} +- {eps}")
 
     def max_step(k: int) -> float:
-        outs = neighbour_scan(func, pos, *args, distances=torch.linspace(0, 2 * r, k + 1), node=node, center=center)
+        grid = torch.linspace(0, 2 * r, k + 1, dtype=pos.dtype, device=pos.device)
+        outs = neighbour_scan(func, pos, *args, distances=grid, node=node, center=center)
         return (outs[1:] - outs[:-1]).abs().max().item()
 
     coarse, fine = max_step(num), max_step(4 * num)

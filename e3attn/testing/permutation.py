@@ -34,14 +34,25 @@ def permutation_error(
     Raises:
         AssertionError: naming the output, when an output (before or after the
             permutation) holds NaN or infinite values.
+        ValueError: naming the argument or output whose first dimension is not the number of nodes (an
+            ``edge_index`` among the arguments, a pooled output: see ``node_args`` and ``node_outputs``).
     """
     node_args = [i for i, a in enumerate(args_in) if isinstance(a, torch.Tensor)] if node_args is None else node_args
     num_nodes = args_in[node_args[0]].shape[0]
+    for i in node_args:
+        if not isinstance(args_in[i], torch.Tensor) or args_in[i].dim() == 0 or args_in[i].shape[0] != num_nodes:
+            raise ValueError(f"args_in[{i}] is not indexed by node (its first dimension is not the {num_nodes} nodes "
+                             f"of args_in[{node_args[0]}]): list the arguments that are in node_args (an edge_index "
+                             "is not)")
     perm = torch.randperm(num_nodes, generator=generator).to(args_in[node_args[0]].device)
     permuted = [a[perm] if i in node_args else a for i, a in enumerate(args_in)]
     before = _outputs(func(*args_in), "for the original inputs")
     after = _outputs(func(*permuted), "for the permuted inputs")
     node_outputs = [True] * len(before) if node_outputs is None else node_outputs
+    for k, (out, is_node) in enumerate(zip(before, node_outputs)):
+        if is_node and (out.dim() == 0 or out.shape[0] != num_nodes):
+            raise ValueError(f"output {k} has shape {list(out.shape)}, not one row per node ({num_nodes}): mark "
+                             "outputs pooled per graph False in node_outputs")
     errors = [
         (b2 - (b1[perm] if is_node else b1)).abs().max().item() if b1.numel() else 0.0
         for b1, b2, is_node in zip(before, after, node_outputs)
