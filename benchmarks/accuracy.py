@@ -34,7 +34,6 @@ Usage::
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -51,6 +50,8 @@ from e3nn import nn, o3
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "examples")]
 
+from e3attn._files import atomic_write  # noqa: E402
+from e3attn.train import options as opt  # noqa: E402
 import mace_peer  # noqa: E402  (benchmarks/mace_peer.py, next to this file)
 import molecules  # noqa: E402  (examples/molecules.py: data, training loop, evaluation)
 
@@ -167,12 +168,12 @@ def build(name: str, args) -> torch.nn.Module:
 def parse_args(argv: Optional[Sequence[str]] = None):
     argv = list(sys.argv[1:] if argv is None else argv)
     own, passed = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = opt.ArgumentParser(__doc__)
     p.add_argument("--models", nargs="+", choices=MODELS, default=None,
                    help="default: e3attn and nequip, and mace with --mace-python")
     p.add_argument("--time-budget", type=float, default=240.0, help="training seconds per model")
-    p.add_argument("--epochs", type=int, default=1000, help="at most this many epochs per model")
-    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    p.add_argument("--epochs", type=opt.positive_int, default=1000, help="at most this many epochs per model")
+    p.add_argument("--threads", type=opt.positive_int, default=1, help="torch.set_num_threads")
     p.add_argument("--peer-hidden", default="32x0e + 16x1o + 8x2e", help="hidden irreps of the NequIP-style peer")
     p.add_argument("--peer-layers", type=int, default=2)
     p.add_argument("--peer-lmax", type=int, default=2)
@@ -191,11 +192,17 @@ def parse_args(argv: Optional[Sequence[str]] = None):
                    help="MACE's --max_num_epochs (default: as many as fit in --time-budget, from a 2-epoch run)")
     p.add_argument("--mace-radius", type=float, default=5.0, help="MACE's --r_max (default 5.0, its own default)")
     args = p.parse_args(own)
+    opt.check_files(p, results={"--out": args.out})
     if args.mace_python is not None and not (args.organic and (args.mace_python.parent / "mace_run_train").exists()):
         p.error("--mace-python needs --organic and a Python whose folder has mace_run_train")
     args.models = args.models or ["e3attn", "nequip"] + (["mace"] if args.mace_python else [])
     if "mace" in args.models and args.mace_python is None:
         p.error("--models mace needs --mace-python (and --organic)")
+    for name in args.organic or []:
+        missing = [f"{name}_{split}.xyz" for split in ("train", "test") if not (args.data / f"{name}_{split}.xyz").is_file()]
+        if missing:
+            p.error(f"argument --data: {str(args.data)!r} has no {' or '.join(missing)} (make them with "
+                    f"python benchmarks/organic_data.py --molecules {name} --out {args.data})")
     for setting in args.mace_settings:
         try:
             mace_peer.parse_setting(setting)
@@ -298,7 +305,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                   "results": organic_rows(args)}
         report["meta"]["load_average_end"] = os.getloadavg()
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1))
+        with atomic_write(args.out, "w") as file:  # the old file whole or the new one
+            json.dump(report, file, indent=1)
         return report
     train_args = args.train_args
     def samples(num: int, seed: int) -> list:
@@ -342,7 +350,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         "results": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
+    with atomic_write(args.out, "w") as file:  # the old file whole or the new one
+        json.dump(report, file, indent=1)
     return report
 
 

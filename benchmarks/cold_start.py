@@ -23,7 +23,6 @@ Usage::
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -33,6 +32,11 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # this checkout's e3attn, for the options (the measured processes import their own)
+    sys.path.insert(0, str(ROOT))
+
+from e3attn._files import atomic_write  # noqa: E402
+from e3attn.train import options as opt  # noqa: E402
 
 CHILD = r"""
 import json, sys, time
@@ -70,10 +74,11 @@ def run_process(dtype: str, cache_dir: str, kernels: bool = True) -> dict:
 
 def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
     """Measure, print a line per (dtype, start), write the JSON."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = opt.ArgumentParser(__doc__.split("\n\n")[0])
     p.add_argument("--dtypes", nargs="+", choices=("float32", "float64"), default=["float32", "float64"])
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cold_start.json")
     args = p.parse_args(argv)
+    opt.check_files(p, results={"--out": args.out})
     rows = []
     with tempfile.TemporaryDirectory(prefix="e3attn-numba-cache-") as cache_dir:
         for dtype in args.dtypes:
@@ -84,7 +89,8 @@ def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
                       f"second {1e3 * row['second_step_s']:.1f} ms, start-up cost {row['startup_s']:.2f} s", flush=True)
                 rows.append(row)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=1))
+    with atomic_write(args.out, "w") as file:  # the old file whole or the new one
+        json.dump(rows, file, indent=1)
     print(f"wrote {args.out}")
     return rows
 

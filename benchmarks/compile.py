@@ -37,6 +37,7 @@ for path in (ROOT, ROOT / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
+from e3attn.train import options as opt  # noqa: E402
 from dense_vs_sparse import sync  # noqa: E402
 from layer import CONFIGS, RADIUS, cloud, setup, write  # noqa: E402
 
@@ -147,20 +148,21 @@ def format_row(row: dict) -> str:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Command-line options (see ``--help``)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p = opt.ArgumentParser(__doc__.split("\n\n")[0])
+    p.add_argument("--device", type=opt.device, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=["guide"])
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
-    p.add_argument("--sizes", type=int, nargs="+", default=[1_000, 10_000], help="numbers of nodes")
-    p.add_argument("--degree", type=float, default=14.0, help="mean number of edges per node")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--sizes", type=opt.positive_int, nargs="+", default=[1_000, 10_000], help="numbers of nodes")
+    p.add_argument("--degree", type=opt.positive_float, default=14.0, help="mean number of edges per node")
+    p.add_argument("--repeats", type=opt.positive_int, default=5)
     p.add_argument("--passes", nargs="+", choices=("fwd", "fwdbwd"), default=["fwd", "fwdbwd"],
                    help="forward under no_grad (compiled separately) and/or forward+backward")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: one per core)")
+    p.add_argument("--threads", type=opt.positive_int, default=None, help="torch CPU threads (default: one per core)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny sizes and 1 repeat: a smoke test")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "compile.json")
     args = p.parse_args(argv)
+    opt.check_files(p, results={"--out": args.out})
     if args.quick:
         # 2,500 nodes: more than 32,766 edges, where a sort lowered by inductor would recompile
         args.configs, args.sizes, args.repeats, args.passes = ["guide"], [12, 24, 2_500], 1, ["fwdbwd"]

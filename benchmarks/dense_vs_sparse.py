@@ -77,6 +77,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
+from e3attn._files import atomic_write  # noqa: E402
+from e3attn.train import options as opt  # noqa: E402
 from e3attn.graph import complete_graph, radius_graph  # noqa: E402
 from e3attn.plain import dense_attention, graph_attention  # noqa: E402
 
@@ -382,24 +384,25 @@ def cpu_name() -> str:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Command-line options (see ``--help``)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p = opt.ArgumentParser(__doc__.split("\n\n")[0])
+    p.add_argument("--device", type=opt.device, default="cuda" if torch.cuda.is_available() else "cpu")
     sizes = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
-    p.add_argument("--sizes", type=int, nargs="+", default=sizes, help="numbers of nodes N")
+    p.add_argument("--sizes", type=opt.positive_int, nargs="+", default=sizes, help="numbers of nodes N")
     p.add_argument("--quick", action="store_true", help="tiny sizes (8, 16) and short timings: a smoke test")
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     p.add_argument("--densities", nargs="+", choices=DENSITIES, default=list(DENSITIES))
-    p.add_argument("--neighbours", type=float, default=16.0, help="mean neighbours of the radius graph")
+    p.add_argument("--neighbours", type=opt.positive_float, default=16.0, help="mean neighbours of the radius graph")
     p.add_argument("--max-gb", type=float, default=4.0, help="skip sizes estimated to need more memory")
     p.add_argument("--max-seconds", type=float, default=10.0, help="skip sizes estimated to take longer per call")
     p.add_argument("--min-time", type=float, default=0.5, help="seconds of repeated calls per timing")
     p.add_argument("--memory", choices=("auto", "cuda", "rss", "none"), default="auto")
     p.add_argument("--clock", choices=("auto", "wall", "cpu"), default="auto", help="auto: cpu on CPU, wall on CUDA")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=opt.positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "dense_vs_sparse.json")
     p.add_argument("--fig", type=Path, default=ROOT / "benchmarks" / "results" / "dense_vs_sparse.png")
     args = p.parse_args(argv)
+    opt.check_files(p, results={"--out": args.out}, figures={"--fig": args.fig})
     if args.quick:
         args.sizes, args.min_time = [8, 16], min(args.min_time, 0.01)
     if min(args.sizes) < 1:
@@ -439,7 +442,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                 print("  " + describe_crossover(kind, density, key, c))
     report = {"meta": meta, "results": rows, "crossover": crossovers}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
+    with atomic_write(args.out, "w") as file:  # the old file whole or the new one
+        json.dump(report, file, indent=1)
     plot(rows, args.fig, f"dense vs sparse attention on {where}", meta["clock"])
     print(f"\nwrote {args.out} and {args.fig}")
     return report

@@ -46,6 +46,7 @@ for path in (ROOT, ROOT / "benchmarks"):  # run from a checkout without installi
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
+from e3attn.train import options as opt  # noqa: E402
 from dense_vs_sparse import cpu_name  # noqa: E402
 from layer import CONFIGS, DEFAULTS, build, write  # noqa: E402
 
@@ -186,16 +187,17 @@ HEADER = (f"{'config':>6} {'nodes':>6} {'edges':>8} {'thr':>3} "
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Command-line options (see ``--help``)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = opt.ArgumentParser(__doc__.split("\n\n")[0])
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
-    p.add_argument("--sizes", type=int, nargs="+", default=None, help="numbers of nodes (default: layer.py's)")
-    p.add_argument("--threads", type=int, nargs="+", default=[1])
-    p.add_argument("--degree", type=float, default=14.0, help="mean number of edges per node")
-    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--sizes", type=opt.positive_int, nargs="+", default=None, help="numbers of nodes (default: layer.py's)")
+    p.add_argument("--threads", type=opt.positive_int, nargs="+", default=[1])
+    p.add_argument("--degree", type=opt.positive_float, default=14.0, help="mean number of edges per node")
+    p.add_argument("--repeats", type=opt.positive_int, default=9)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny sizes and 2 repeats: a smoke test")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kernels.json")
     args = p.parse_args(argv)
+    opt.check_files(p, results={"--out": args.out})
     if args.quick:
         args.sizes, args.repeats = [16], 2
     if min(args.sizes or [1]) < 1 or args.repeats < 1 or min(args.threads) < 1:

@@ -70,6 +70,8 @@ for path in (ROOT, ROOT / "benchmarks"):  # run from a checkout without installi
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
+from e3attn._files import atomic_write  # noqa: E402
+from e3attn.train import options as opt  # noqa: E402
 from dense_vs_sparse import box_side, cpu_name, memory_method, peak_mib, sync  # noqa: E402
 from guide import RADIUS, GuideAttention  # noqa: E402
 from peers import PEERS, build_peer  # noqa: E402
@@ -312,13 +314,13 @@ def format_row(row: dict) -> str:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Command-line options (see ``--help``)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p = opt.ArgumentParser(__doc__.split("\n\n")[0])
+    p.add_argument("--device", type=opt.device, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
-    p.add_argument("--sizes", type=int, nargs="+", default=None, help="numbers of nodes (default: see DEFAULTS)")
-    p.add_argument("--degree", type=float, default=14.0, help="mean number of edges per node")
-    p.add_argument("--repeats", type=int, default=None, help="timed calls per method, best reported (default: DEFAULTS)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: one per core)")
+    p.add_argument("--sizes", type=opt.positive_int, nargs="+", default=None, help="numbers of nodes (default: see DEFAULTS)")
+    p.add_argument("--degree", type=opt.positive_float, default=14.0, help="mean number of edges per node")
+    p.add_argument("--repeats", type=opt.positive_int, default=None, help="timed calls per method, best reported (default: DEFAULTS)")
+    p.add_argument("--threads", type=opt.positive_int, default=None, help="torch CPU threads (default: one per core)")
     p.add_argument("--max-gb", type=float, default=8.0, help="skip cases whose baseline would need more memory")
     p.add_argument("--max-seconds", type=float, default=60.0, help="skip cases whose baseline would take longer")
     p.add_argument("--memory", choices=("auto", "cuda", "rss", "none"), default="auto")
@@ -337,6 +339,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="also time the guide's layer with its tensor products on a peer's kernels (benchmarks/peers.py)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "layer.json")
     args = p.parse_args(argv)
+    opt.check_files(p, results={"--out": args.out})
     kernels.set_cuda_kernels(args.cuda_kernels)
     if args.quick:
         args.sizes, args.repeats = [16, 32], 1
@@ -371,7 +374,8 @@ def setup(args: argparse.Namespace) -> Tuple[torch.device, dict]:
 def write(report: dict, path: Path) -> None:
     """Write the JSON report."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1))
+    with atomic_write(path, "w") as file:  # the old file whole or the new one
+        json.dump(report, file, indent=1)
     print(f"wrote {path}")
 
 

@@ -45,6 +45,7 @@ for path in (ROOT, ROOT / "examples", ROOT / "benchmarks"):  # run from a checko
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
+from e3attn._files import atomic_write  # noqa: E402
 import _common  # noqa: E402
 import molecules  # noqa: E402
 from dense_vs_sparse import CLOCKS, cpu_name, sync  # noqa: E402
@@ -267,6 +268,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smoke run: 2 turns of 2 steps")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "md_speed.json"), help="JSON report")
     args = p.parse_args(argv)
+    _common.check_files(p, results={"--out": args.out})
     if args.quick:
         args.calls, args.repeats, args.warmup = 2, 2, 1
     if args.sizes is None:
@@ -332,7 +334,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
           f"{graphs}{memory}, {args.clock} clock, load average {meta['load_average']}")
     print(format_table(rows))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1))
+    with atomic_write(Path(args.out), "w") as file:  # the old file whole or the new one
+        json.dump(report, file, indent=1)
     return report
 
 

@@ -54,6 +54,9 @@ for path in (ROOT, ROOT / "examples", ROOT / "benchmarks"):  # run from a checko
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
+from e3attn._files import atomic_write  # noqa: E402
+from e3attn.train import options as opt  # noqa: E402
+
 PACKAGE = str(ROOT / "e3attn")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _NO_LAUNCH = {"aten::detach", "aten::empty", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided",
@@ -184,7 +187,7 @@ def build_case(name: str, args: argparse.Namespace):
     kind, _, rest = name.partition(":")
     config, _, nodes = rest.partition(":")
     if kind != "layer" or config not in ("guide", "large"):
-        raise SystemExit(f"op_count.py: error: --cases: expected train, md or layer:guide|large[:NODES], got {name!r}")
+        opt.fail(f"--cases: expected train, md or layer:guide|large[:NODES], got {name!r}", prog="op_count.py")
     return layer_case(config, int(nodes or 60))
 
 
@@ -228,13 +231,15 @@ def count(step: Callable, warmup: int = 1) -> OperationCounter:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = opt.ArgumentParser(__doc__.split("\n\n")[0])
     p.add_argument("--cases", nargs="+", default=["train", "md"], help="train, md, layer:CONFIG[:NODES]")
-    p.add_argument("--batch-size", type=int, default=8, help="molecules per training batch")
-    p.add_argument("--atoms", type=int, default=108, help="atoms of the MD call (4 n^3)")
+    p.add_argument("--batch-size", type=opt.positive_int, default=8, help="molecules per training batch")
+    p.add_argument("--atoms", type=opt.positive_int, default=108, help="atoms of the MD call (4 n^3)")
     p.add_argument("--top", type=int, default=15, help="sites listed per case")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "op_count.json"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    opt.check_files(p, results={"--out": args.out})
+    return args
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, dict]:
@@ -260,7 +265,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, dict]:
         for site, n in counter.by_site.most_common(args.top):
             print(f"  {n:6d}  {site}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1))
+    with atomic_write(Path(args.out), "w") as file:  # the old file whole or the new one
+        json.dump(report, file, indent=1)
     return report
 
 

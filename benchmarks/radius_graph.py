@@ -60,6 +60,8 @@ for path in (ROOT, ROOT / "benchmarks"):  # run from a checkout without installi
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
+from e3attn._files import atomic_write  # noqa: E402
+from e3attn.train import options as opt  # noqa: E402
 from dense_vs_sparse import box_side, memory_method, peak_mib, sync  # noqa: E402
 
 from e3attn.graph import radius_graph, radius_graph_pbc  # noqa: E402
@@ -190,18 +192,19 @@ def format_row(row: dict) -> str:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1_000, 10_000, 100_000], help="numbers of points")
+    parser = opt.ArgumentParser(__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=opt.positive_int, nargs="+", default=[1_000, 10_000, 100_000], help="numbers of points")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="systems to measure")
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="thread counts, measured in turn")
-    parser.add_argument("--neighbours", type=float, default=20.0, help="mean neighbours inside the cutoff")
-    parser.add_argument("--repeats", type=int, default=9, help="timed rounds (the median is reported)")
+    parser.add_argument("--threads", type=opt.positive_int, nargs="+", default=[1, 2], help="thread counts, measured in turn")
+    parser.add_argument("--neighbours", type=opt.positive_float, default=20.0, help="mean neighbours inside the cutoff")
+    parser.add_argument("--repeats", type=opt.positive_int, default=9, help="timed rounds (the median is reported)")
     parser.add_argument("--dense-max", type=int, default=10_000, help="largest N for the dense baseline")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    parser.add_argument("--device", type=opt.device, default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "radius_graph.json",
                         help="JSON report")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 thread and 2 rounds: a smoke test")
     args = parser.parse_args(argv)
+    opt.check_files(parser, results={"--out": args.out})
     if args.quick:
         args.sizes, args.threads, args.repeats = [200, 1_000], [1], 2
     return args
@@ -241,7 +244,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         torch.set_num_threads(threads_before)
     report = {"meta": meta, "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    with atomic_write(args.out, "w") as file:  # the old file whole or the new one
+        json.dump(report, file, indent=2)
     print(f"wrote {args.out}")
     return report
 

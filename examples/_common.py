@@ -9,7 +9,7 @@ import torch
 from e3attn._files import atomic_write
 from e3attn.train import options
 from e3attn.train.options import (  # noqa: F401  (the examples' option types, shared with e3attn-train)
-    device, fail, irreps, non_negative_float, non_negative_int, positive_float, positive_int,
+    check_files, device, fail, irreps, non_negative_float, non_negative_int, positive_float, positive_int,
 )
 
 _ROLE = re.compile(r":[a-z]+:`(~?)([^`]+)`")  # :class:`~a.b.C`, :math:`x`
@@ -43,9 +43,14 @@ def parser(doc: str) -> ArgumentParser:
     return p
 
 
+def figure_name(out, default: str) -> pathlib.Path:
+    """``out``, or ``default`` in the working directory."""
+    return pathlib.Path(out) if out is not None else pathlib.Path(default)
+
+
 def figure_path(out, default: str) -> pathlib.Path:
-    """``out``, or ``default`` in the working directory; the parent folder is created."""
-    path = pathlib.Path(out) if out is not None else pathlib.Path(default)
+    """:func:`figure_name`, its parent folder created."""
+    path = figure_name(out, default)
     path.parent.mkdir(parents=True, exist_ok=True)
     return path
 

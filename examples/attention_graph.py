@@ -81,6 +81,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--seed", type=_common.non_negative_int, default=0, help="random seed (default: 0)")
     parser.add_argument("--smoke", action="store_true", help="small layers and low-resolution figures (for tests)")
     args = parser.parse_args(argv)
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"argument --out: {str(args.out)!r} is a file: --out names the folder of the three figures")
     smallest = 2 if args.smoke else 4  # the smallest multiplicity of the hidden irreps
     if smallest % args.heads:
         parser.error(f"--heads {args.heads} must divide {smallest}, the smallest multiplicity of the hidden irreps")

@@ -73,17 +73,25 @@ def deviation_meV_per_atom(run: dict, num_atoms: int) -> float:
     return 1000 * float(np.abs(run["total"] - run["total"][0]).max()) / num_atoms
 
 
+def parity_figure(out) -> "os.PathLike[str]":
+    """Where the parity plot of the training goes: ``md_parity.png`` beside the figure."""
+    return _common.figure_name(out, "md.png").with_name("md_parity.png")
+
+
 def load_or_train(args):
     """The calculator of ``args.checkpoint`` when that file exists, else of a potential trained on EMT data."""
     from e3attn.calculator import E3AttnCalculator
 
     dtype = getattr(torch, args.dtype)
     if args.checkpoint and os.path.exists(args.checkpoint):
-        return E3AttnCalculator.from_checkpoint(args.checkpoint, device=args.device, dtype=dtype)
+        try:
+            return E3AttnCalculator.from_checkpoint(args.checkpoint, device=args.device, dtype=dtype)
+        except (OSError, ValueError) as err:
+            _common.fail(f"--checkpoint: {err}")
     import molecules
 
     options = ["--epochs", str(args.epochs), "--device", args.device, "--seed", str(args.seed),
-               "--out", str(_common.figure_path(args.out, "md.png").with_name("md_parity.png"))]
+               "--out", str(parity_figure(args.out))]
     options += ["--smoke"] * args.smoke + ["--quiet"] * args.quiet
     options += ["--save", args.checkpoint] if args.checkpoint else []
     model, metrics = molecules.train(molecules.parse_args(options))
@@ -129,6 +137,11 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="also write the deviations and settings here")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
+    loaded = args.checkpoint is not None and os.path.exists(args.checkpoint)  # else trained, and saved there
+    figure = _common.figure_name(args.out, "md.png")
+    _common.check_files(p, inputs={"--checkpoint": args.checkpoint} if loaded else {},
+                        outputs={"--json": args.json, **({} if loaded else {"--checkpoint": args.checkpoint})},
+                        figures={"--out": figure, **({} if loaded else {"the parity plot": parity_figure(args.out)})})
     if args.smoke:
         args.atoms, args.steps, args.epochs = min(args.atoms, 4), min(args.steps, 4), min(args.epochs, 1)
     if args.emt_dt is None:

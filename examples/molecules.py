@@ -134,6 +134,19 @@ def parse_args(argv=None):
     if args.smoke:
         args.train, args.test, args.epochs = min(args.train, 8), min(args.test, 4), min(args.epochs, 2)
         args.batch_size = min(args.batch_size, 4)
+    if args.predict is not None:
+        if args.save is not None:
+            p.error("argument --save: --predict loads a checkpoint and trains nothing, so there is nothing to save")
+        _common.check_files(p, inputs={"--predict": args.predict, "--structures": args.structures})
+    else:
+        if args.structures is not None:
+            p.error("argument --structures: it names the structures that --predict predicts; give --predict too")
+        _common.check_files(p, outputs={"--save": args.save},
+                            figures={"--out": _common.figure_name(args.out, "parity.png")})
+        try:
+            build_model(args)  # the model options, before any data
+        except ValueError as err:
+            p.error(f"the model options do not build a model: {err}")
     return amp_only_on_cuda(args)
 
 
@@ -191,9 +204,12 @@ def predict_main(args) -> dict:
     except (OSError, ValueError) as err:
         _common.fail(f"--predict: {err}")
     if args.structures:
-        from ase.io import read
+        from e3attn.train import DataError, read_structures
 
-        structures = read(args.structures, index=":")
+        try:
+            structures = read_structures(args.structures, "--structures")
+        except DataError as err:
+            _common.fail(str(err))
     else:
         structures = make_structures(args.test, args.seed + 20_000)
     labelled = all(a.calc is not None for a in structures)

@@ -118,6 +118,7 @@ def main(argv=None) -> dict:
     p.add_argument("--test-copies", type=_common.positive_int, default=100,
                    help="rotated copies of every shape in the test set (default: 100)")
     args = p.parse_args(argv)
+    _common.check_files(p, figures={"--out": _common.figure_name(args.out, "tetris.png")})
     if args.smoke:
         args.steps, args.test_copies = min(args.steps, 5), min(args.test_copies, 4)
     device = torch.device(args.device)

@@ -56,5 +56,6 @@ def test_a_small_run_of_every_case(bench, tmp_path, capsys):
         assert any(site.startswith("kernels.") for site in case["by_site"])  # the layer's own operators count
     assert set(report["train"]["by_phase"]) == {"forward", "loss", "backward"}
     assert "operations (forward" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="--cases"):
+    with pytest.raises(SystemExit) as stop:
         bench.main(["--cases", "layer:nope"])
+    assert stop.value.code == 2 and "--cases: expected train, md or layer" in capsys.readouterr().err

@@ -248,7 +248,7 @@ def test_predict_with_a_file_that_is_not_a_checkpoint(examples, capsys, tmp_path
     not_a_checkpoint.write_text("not a model")
     no_units = tmp_path / "other.pt"
     save_checkpoint(EquivariantTransformer("1x0e", "4x0e", "0e", 1.5, num_layers=1), no_units)
-    for path, match in [(not_a_checkpoint, "is not a checkpoint"), (tmp_path / "absent.pt", "No such file"),
+    for path, match in [(not_a_checkpoint, "is not a checkpoint"), (tmp_path / "absent.pt", "argument --predict: no such file"),
                         (no_units, "species")]:
         code, _, err = run_main("molecules", ["--predict", str(path), "--device", "cpu"], capsys)
         assert code == 2 and len(err.strip().splitlines()) == 1 and match in err

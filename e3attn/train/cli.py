@@ -74,27 +74,6 @@ class CommandError(RuntimeError):
     line; nothing is written or replaced then."""
 
 
-_INPUTS = ("config", "train_file", "valid_file", "test_file")
-_OUTPUTS = ("save", "metrics")
-
-
-def _check_outputs(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Each output in an existing folder, not a folder, and neither an input file nor the other output."""
-    seen = {os.path.realpath(getattr(args, name)): name for name in _INPUTS if getattr(args, name, None)}
-    for name in _OUTPUTS:
-        path = getattr(args, name)
-        if path is None:
-            continue
-        option, folder = "--" + name, os.path.dirname(os.path.abspath(path))
-        if os.path.isdir(path) or not os.path.isdir(folder):
-            p.error(f"argument {option}: {path!r} is a folder" if os.path.isdir(path) else
-                    f"argument {option}: the folder {folder!r} does not exist")
-        other = seen.setdefault(os.path.realpath(path), name)
-        if other != name:
-            p.error(f"argument {option}: {path!r} is the file of --{other.replace('_', '-')}: it would be "
-                    "overwritten; write to another file")
-
-
 def _check_model_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The model options build a model (e.g. --heads divides the multiplicities of --hidden), before any data."""
     trial = argparse.Namespace(**{**vars(args), "avg_num_neighbors": 1.0})
@@ -147,7 +126,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error("give --valid-file or --valid-fraction, not both")
     args.valid_fraction = 0.05 if args.valid_fraction is None and args.valid_file is None else args.valid_fraction
     args.stress_key = None if args.stress_key.lower() == "none" else args.stress_key
-    _check_outputs(p, args)
+    opt.check_files(p, inputs={f"--{name.replace('_', '-')}": getattr(args, name)
+                               for name in ("config", "train_file", "valid_file", "test_file")},
+                    outputs={"--save": args.save, "--metrics": args.metrics}, read_now=False)
     _check_model_options(p, args)
     return opt.amp_only_on_cuda(args)
 

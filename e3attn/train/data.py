@@ -68,7 +68,7 @@ def read_structures(path: str, what: str = "--train-file"):
     from ase.io import read
 
     if not os.path.isfile(path):
-        raise DataError(f"{what}: no such file {path!r}")
+        raise DataError(f"{what}: {path!r} is a folder" if os.path.isdir(path) else f"{what}: no such file {path!r}")
     if os.path.getsize(path) == 0:
         raise DataError(f"{what}: {path!r} holds no structures")
     try:

@@ -17,7 +17,7 @@ from ..models.transformer import LAYER_NORMS, SELF_CONNECTIONS
 
 __all__ = [
     "ArgumentParser", "fail", "device", "irreps", "positive_int", "non_negative_int", "positive_float",
-    "non_negative_float", "fraction", "add_model_options", "add_training_options", "amp_only_on_cuda",
+    "non_negative_float", "fraction", "add_model_options", "add_training_options", "amp_only_on_cuda", "check_files",
 ]
 
 SCHEDULES = ("cosine", "plateau", "constant")
@@ -223,6 +223,56 @@ def add_training_options(p: argparse.ArgumentParser, epochs: int, time_budget: f
     p.add_argument("--amp", action="store_true", help="bfloat16 autocast (CUDA only)")
     p.add_argument("--ddp", action="store_true", help="DistributedDataParallel; launch with torchrun")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def check_files(p: argparse.ArgumentParser, inputs: Mapping[str, Any] = {}, outputs: Mapping[str, Any] = {},
+                figures: Mapping[str, Any] = {}, results: Mapping[str, Any] = {}, read_now: bool = True) -> None:
+    """Check, before any work, the files that options name (``{"--option": path or None}``): ``inputs`` must be
+    files (with ``read_now=False`` only where they exist: their reader names a missing one); ``outputs`` must not
+    be folders and their folder must exist; ``results`` and ``figures`` (their folders are created) must not be
+    folders, nor be in a folder that is a file, and figures must have a suffix matplotlib writes (or none: PNG); no
+    output may be an input or another output, which it would overwrite. A problem is one line (``p.error``), exit
+    status 2.
+
+    Example::
+
+        >>> p = ArgumentParser("Train.")
+        >>> check_files(p, outputs={"--save": "model.pt"}, figures={"--out": "parity.png"})
+    """
+    seen: Dict[str, str] = {}
+    for option, path in inputs.items():
+        if path is None:
+            continue
+        if not os.path.isfile(path) and (read_now or os.path.exists(path)):
+            p.error(f"argument {option}: {str(path)!r} is a folder" if os.path.isdir(path) else
+                    f"argument {option}: no such file {str(path)!r}")
+        seen[os.path.realpath(path)] = option
+    written = {**{k: (v, "output") for k, v in outputs.items()}, **{k: (v, "figure") for k, v in figures.items()},
+               **{k: (v, "result") for k, v in results.items()}}
+    for option, (path, kind) in written.items():
+        if path is None:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            p.error(f"argument {option}: {str(path)!r} is a folder")
+        above = folder
+        while not os.path.exists(above):  # the first folder above that exists must be a folder
+            above = os.path.dirname(above)
+        if not os.path.isdir(above):
+            p.error(f"argument {option}: {above!r} is a file, not a folder")
+        if kind == "output" and not os.path.isdir(folder):
+            p.error(f"argument {option}: the folder {folder!r} does not exist")
+        if kind == "figure" and os.path.splitext(str(path))[1]:
+            from matplotlib.backend_bases import FigureCanvasBase
+
+            suffix, formats = os.path.splitext(str(path))[1][1:].lower(), FigureCanvasBase.get_supported_filetypes()
+            if suffix not in formats:
+                p.error(f"argument {option}: matplotlib cannot write .{suffix} figures (it writes "
+                        f"{', '.join(sorted(formats))})")
+        other = seen.setdefault(os.path.realpath(path), option)
+        if other != option:
+            p.error(f"argument {option}: {str(path)!r} is the file of {other}: it would be overwritten; write to "
+                    "another file")
 
 
 def amp_only_on_cuda(args: argparse.Namespace) -> argparse.Namespace:
