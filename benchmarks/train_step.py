@@ -95,9 +95,20 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "train_step.json"))
     args = p.parse_args(argv)
     opt.check_files(p, results={"--out": args.out})
+    from ase.build import molecule
+
+    try:
+        molecule(args.molecule)
+    except KeyError:
+        p.error(f"argument --molecule: {args.molecule!r} is not a molecule that ase.build.molecule knows "
+                "(e.g. CH3CH2OH)")
     model = opt.ArgumentParser("the training command's model options")
     opt.add_model_options(model, avg_num_neighbors="auto", defaults=cli.MODEL_DEFAULTS)
     args.model = model.parse_args(model_argv)
+    try:
+        build_model(argparse.Namespace(**{**vars(args.model), "avg_num_neighbors": 1.0}), num_species=1)
+    except ValueError as err:
+        model.error(f"the model options after -- do not build a model: {err}")
     if args.quick:
         args.steps, args.repeats = 2, 1
     return args

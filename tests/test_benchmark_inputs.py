@@ -19,6 +19,8 @@ NO_CUDA = "cuda" if not torch.cuda.is_available() else "cuda:99"
     ("radius_graph", ["--sizes", "0"], "argument --sizes: expected a positive integer, got '0'"),
     ("op_count", ["--batch-size", "-1"], "argument --batch-size: expected a positive integer, got '-1'"),
     ("train_step", ["--threads", "0"], "argument --threads: expected a positive integer, got '0'"),
+    ("train_step", ["--molecule", "nope"], "argument --molecule: 'nope' is not a molecule that ase.build.molecule"),
+    ("train_step", ["--", "--heads", "3"], "the model options after -- do not build a model: irreps_hidden"),
     ("accuracy", ["--threads", "0"], "argument --threads: expected a positive integer, got '0'"),
     ("md_speed", ["--out", "{tmp}/a_file/report.json"], "argument --out: '{tmp}/a_file' is a file, not a folder"),
     ("layer", ["--out", "{tmp}"], "argument --out: '{tmp}' is a folder"),
