@@ -32,6 +32,7 @@ Predict with a checkpoint (new EMT-labelled structures, or any file ASE reads):
 
     python examples/molecules.py --predict model.pt [--structures file.xyz]
 """
+import warnings
 
 import numpy as np
 import torch
@@ -144,7 +145,9 @@ def parse_args(argv=None):
         _common.check_files(p, outputs={"--save": args.save},
                             figures={"--out": _common.figure_name(args.out, "parity.png")})
         try:
-            build_model(args)  # the model options, before any data
+            with warnings.catch_warnings():  # a trial: the run itself warns
+                warnings.simplefilter("ignore")
+                build_model(args)  # the model options, before any data
         except ValueError as err:
             p.error(f"the model options do not build a model: {err}")
     return amp_only_on_cuda(args)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
+import warnings
 from typing import List, Optional, Sequence
 
 import torch
@@ -78,7 +78,9 @@ def _check_model_options(p: argparse.ArgumentParser, args: argparse.Namespace) -
     """The model options build a model (e.g. --heads divides the multiplicities of --hidden), before any data."""
     trial = argparse.Namespace(**{**vars(args), "avg_num_neighbors": 1.0})
     try:
-        build_model(trial, num_species=1)
+        with warnings.catch_warnings():  # a trial: the run itself warns (one line here if it cannot build)
+            warnings.simplefilter("ignore")
+            build_model(trial, num_species=1)
     except ValueError as err:
         p.error(f"the model options (--hidden, --heads, --lmax, --density, ...) do not build a model: {err}")
 
