@@ -41,7 +41,7 @@ from e3attn.models import energy_and_forces  # noqa: E402
 from e3attn.train import cli, collate, to_sample  # noqa: E402
 from e3attn.train import options as opt  # noqa: E402
 from e3attn.train.data import mean_neighbors  # noqa: E402
-from e3attn.train.model import build_model, loss_fn, predict  # noqa: E402
+from e3attn.train.model import build_model, check_model_options, loss_fn, predict  # noqa: E402
 
 SETTINGS = ("per-layer", "shared")
 
@@ -105,10 +105,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     model = opt.ArgumentParser("the training command's model options")
     opt.add_model_options(model, avg_num_neighbors="auto", defaults=cli.MODEL_DEFAULTS)
     args.model = model.parse_args(model_argv)
-    try:
-        build_model(argparse.Namespace(**{**vars(args.model), "avg_num_neighbors": 1.0}), num_species=1)
-    except ValueError as err:
-        model.error(f"the model options after -- do not build a model: {err}")
+    check_model_options(model, args.model, "the model options after --")
     if args.quick:
         args.steps, args.repeats = 2, 1
     return args

@@ -66,6 +66,18 @@ def check_positive(value: Any, name: str) -> float:
     return check_real(value, name, "a positive finite number", lambda x: 0.0 < x < math.inf)
 
 
+_PRESENT = {  # without touching the device: no CUDA context is created (torchrun ranks parse their options first)
+    "cpu": lambda index: index in (None, 0),
+    "cuda": lambda index: torch.cuda.is_available() and (index or 0) < torch.cuda.device_count(),
+    "mps": lambda index: torch.backends.mps.is_available() and index in (None, 0),
+}
+
+
+def device_present(device: torch.device) -> bool:
+    """Whether this machine has ``device`` (its type, and its index where given)."""
+    return device.type in _PRESENT and _PRESENT[device.type](device.index)
+
+
 def check_device(value: Any, name: str) -> Optional[torch.device]:
     """``value`` as a torch device present on this machine (None stays None), or a ValueError naming ``name``."""
     if value is None:
@@ -76,10 +88,7 @@ def check_device(value: Any, name: str) -> Optional[torch.device]:
         device = None
     if device is None:
         raise ValueError(f"{name} must be a torch device such as 'cpu' or 'cuda:0', got {value!r}")
-    present = {"cpu": lambda: device.index in (None, 0),
-               "cuda": lambda: torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count(),
-               "mps": lambda: torch.backends.mps.is_available() and device.index in (None, 0)}
-    if device.type not in present or not present[device.type]():
+    if not device_present(device):
         raise ValueError(f"{name} {value!r} is not available on this machine (try {name}='cpu')")
     return device
 

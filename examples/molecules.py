@@ -32,7 +32,6 @@ Predict with a checkpoint (new EMT-labelled structures, or any file ASE reads):
 
     python examples/molecules.py --predict model.pt [--structures file.xyz]
 """
-import warnings
 
 import numpy as np
 import torch
@@ -144,12 +143,7 @@ def parse_args(argv=None):
             p.error("argument --structures: it names the structures that --predict predicts; give --predict too")
         _common.check_files(p, outputs={"--save": args.save},
                             figures={"--out": _common.figure_name(args.out, "parity.png")})
-        try:
-            with warnings.catch_warnings():  # a trial: the run itself warns
-                warnings.simplefilter("ignore")
-                build_model(args)  # the model options, before any data
-        except ValueError as err:
-            p.error(f"the model options do not build a model: {err}")
+        training.check_model_options(p, args)  # before any data
     return amp_only_on_cuda(args)
 
 

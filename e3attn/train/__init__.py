@@ -14,9 +14,10 @@ Reading files needs ASE (``pip install 'e3attn[train]'``: ASE, tqdm for the prog
 """
 from .data import DataError, LabelKeys, collate, fit_references, read_structures, to_sample
 from .loop import FitResult, WeightAverage, fit, init_distributed
-from .model import build_model, evaluate, loss_fn, predict
+from .model import build_model, check_model_options, evaluate, loss_fn, predict
 
 __all__ = [
     "DataError", "LabelKeys", "collate", "fit_references", "read_structures", "to_sample",
-    "FitResult", "WeightAverage", "fit", "init_distributed", "build_model", "evaluate", "loss_fn", "predict",
+    "FitResult", "WeightAverage", "fit", "init_distributed", "build_model", "check_model_options", "evaluate",
+    "loss_fn", "predict",
 ]

@@ -17,7 +17,6 @@ import argparse
 import json
 import math
 import sys
-import warnings
 from typing import List, Optional, Sequence
 
 import torch
@@ -29,7 +28,7 @@ from . import options as opt
 from .config import config_arguments
 from .data import DataError, LabelKeys, fit_references, mean_neighbors, read_structures, split, to_sample
 from .loop import fit, init_distributed, synced_max
-from .model import build_model, evaluate
+from .model import build_model, check_model_options, evaluate
 
 __all__ = ["parse_args", "load_data", "run", "main", "CommandError"]
 
@@ -72,17 +71,6 @@ def _parser() -> opt.ArgumentParser:
 class CommandError(RuntimeError):
     """What stops the command after the data were read (training diverged, an output cannot be written), in one
     line; nothing is written or replaced then."""
-
-
-def _check_model_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The model options build a model (e.g. --heads divides the multiplicities of --hidden), before any data."""
-    trial = argparse.Namespace(**{**vars(args), "avg_num_neighbors": 1.0})
-    try:
-        with warnings.catch_warnings():  # a trial: the run itself warns (one line here if it cannot build)
-            warnings.simplefilter("ignore")
-            build_model(trial, num_species=1)
-    except ValueError as err:
-        p.error(f"the model options (--hidden, --heads, --lmax, --density, ...) do not build a model: {err}")
 
 
 def _given(argv: Sequence[str], option: str) -> bool:
@@ -131,7 +119,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     opt.check_files(p, inputs={f"--{name.replace('_', '-')}": getattr(args, name)
                                for name in ("config", "train_file", "valid_file", "test_file")},
                     outputs={"--save": args.save, "--metrics": args.metrics}, read_now=False)
-    _check_model_options(p, args)
+    check_model_options(p, args, "the model options (--hidden, --heads, --lmax, --density, ...)")
     return opt.amp_only_on_cuda(args)
 
 

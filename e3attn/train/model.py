@@ -2,6 +2,7 @@ r"""The energy model of the training command, its predictions in eV, the loss, a
 from __future__ import annotations
 
 import argparse
+import warnings
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -9,7 +10,7 @@ import torch
 from ..models import EquivariantTransformer, energy_and_forces, energy_forces_stress
 from .data import collate
 
-__all__ = ["build_model", "predict", "loss_fn", "evaluate", "to_device"]
+__all__ = ["build_model", "check_model_options", "predict", "loss_fn", "evaluate", "to_device"]
 
 
 def build_model(args: argparse.Namespace, num_species: int) -> EquivariantTransformer:
@@ -30,6 +31,19 @@ def build_model(args: argparse.Namespace, num_species: int) -> EquivariantTransf
         radial_neurons=args.radial_neurons, density_channels=args.density, avg_num_neighbors=args.avg_num_neighbors, layer_norm=args.layer_norm,
         basis=args.basis, self_connection=args.self_connection,
     )
+
+
+def check_model_options(p: argparse.ArgumentParser, args: argparse.Namespace,
+                        what: str = "the model options") -> None:
+    """Stop with one line (``p.error``) when the options of :func:`build_model` in ``args`` build no model (e.g.
+    ``--heads`` not a divisor of ``--hidden``'s multiplicities): a trial build before any data, warning nothing."""
+    trial = argparse.Namespace(**{**vars(args), "avg_num_neighbors": 1.0})
+    try:
+        with warnings.catch_warnings():  # a trial: the run itself warns
+            warnings.simplefilter("ignore")
+            build_model(trial, num_species=1)
+    except ValueError as err:
+        p.error(f"{what} do not build a model: {err}")
 
 
 def to_device(batch: dict, device) -> dict:

@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, Mapping, NoReturn, Optional
 
 import torch
 
+from .._checks import device_present
 from ..models.transformer import LAYER_NORMS, SELF_CONNECTIONS
 
 __all__ = [
@@ -57,13 +58,6 @@ def fail(message: str, prog: Optional[str] = None) -> NoReturn:
     raise SystemExit(2)
 
 
-_AVAILABLE = {  # without touching the device: no CUDA context is created while parsing (torchrun ranks)
-    "cpu": lambda index: index in (None, 0),
-    "cuda": lambda index: torch.cuda.is_available() and (index or 0) < torch.cuda.device_count(),
-    "mps": lambda index: torch.backends.mps.is_available() and index in (None, 0),
-}
-
-
 def device(value: str) -> str:
     """argparse type: a torch device present on this machine (returned as given).
 
@@ -76,7 +70,7 @@ def device(value: str) -> str:
         parsed = torch.device(value)
     except RuntimeError:
         raise argparse.ArgumentTypeError(f"{value!r} is not a torch device (e.g. cuda, cuda:1); try --device cpu") from None
-    if parsed.type not in _AVAILABLE or not _AVAILABLE[parsed.type](parsed.index):
+    if not device_present(parsed):
         raise argparse.ArgumentTypeError(f"{value!r} is not available on this machine; try --device cpu")
     return value
 
