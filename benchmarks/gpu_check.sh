@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# A short check on a lent GPU (the device tool) after changes, in about 5 minutes: the CUDA tests (the Triton
-# kernels, the calculator's CUDA graphs), MD speed (CUDA graphs with the plain formulation and with the Triton
-# kernels; the Triton kernels eager), the layer benchmark (guide and large, with the plain, Triton and
-# OpenEquivariance rows) and the layer's force step by GPU time per operation (profile.log).
+# A short check on a lent GPU (the device tool) after changes, in about 6 minutes: the CUDA tests (the Triton
+# kernels, the calculator's CUDA graphs; failures in tests.log), MD speed (CUDA graphs with the plain formulation
+# and with the Triton kernels; the Triton kernels eager), the layer benchmark (guide and large, with the plain,
+# Triton and OpenEquivariance rows; large also with the Triton kernels' tiles untuned) and the layer's force step
+# by GPU time per operation (profile.log).
 #
 #   bash benchmarks/gpu_round.sh prepare    # here: the wheels the GPU machine lacks, into .whl/ (carry it)
 #   bash benchmarks/gpu_check.sh            # there; logs and JSON in $OUT (or benchmarks/results/gpu/)
@@ -25,9 +26,12 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 oeq_pid=$!
 
 step tests
-timeout 120 python3 -m pytest -q tests/test_triton.py tests/test_neighbour_list.py tests/test_shared_geometry.py \
-    -m "cuda or not cuda" -p no:cacheprovider 2>&1 | tail -15
-timeout 60 python3 -m pytest -q tests -m cuda -p no:cacheprovider 2>&1 | tail -3
+# the first calls of the Triton kernels time their choices of tiles (E3ATTN_TRITON_AUTOTUNE): compiles, once per shape
+timeout 240 python3 -m pytest -q -rf --tb=short tests/test_triton.py tests/test_neighbour_list.py \
+    tests/test_shared_geometry.py -m "cuda or not cuda" -p no:cacheprovider > "$out/tests.log" 2>&1
+tail -4 "$out/tests.log"
+timeout 120 python3 -m pytest -q -rf --tb=short tests -m cuda -p no:cacheprovider >> "$out/tests.log" 2>&1
+tail -3 "$out/tests.log"
 
 step md
 md=(benchmarks/md_speed.py --device cuda --calls 5 --repeats 3)
@@ -43,6 +47,9 @@ timeout 110 python3 "${layer[@]}" --configs guide --sizes 1000 10000 100000 --ou
     | grep -v -i "warn\|JIT\|TensorProduct\|^$"
 timeout 100 python3 "${layer[@]}" --configs large --sizes 1000 10000 --out "$out/layer_large.json" 2>&1 \
     | grep -v -i "warn\|JIT\|TensorProduct\|^$"
+echo "large, the Triton kernels' first choice of tiles (E3ATTN_TRITON_AUTOTUNE=0):"
+E3ATTN_TRITON_AUTOTUNE=0 timeout 60 python3 benchmarks/layer.py --device cuda --forces --cuda-kernels --repeats 5 --max-gb 60 \
+    --configs large --sizes 1000 10000 --out "$out/layer_large_untuned.json" 2>&1 | grep -E "^ *large"
 
 step profile
 timeout 60 python3 benchmarks/cuda_profile.py --atoms --layer guide:10000 large:10000 > "$out/profile.log" 2>&1

@@ -177,8 +177,8 @@ class E3AttnCalculator(Calculator):
             edges beyond ``r_max`` contribute exactly zero: the cutoff vanishes there), so that the edges keep
             their number between searches. Results equal the eager call's to rounding. Opt-in (default
             False); ignored on other devices and with ``skin=0``. A call that cannot be recorded warns once
-            and stays eager. A search records anew, so a cell that changes every step (a barostat) gains
-            nothing from it.
+            and stays eager. A search records anew (as does the first call that asks for the stress), so a cell
+            that changes every step (a barostat) gains nothing from it.
         stress: ``"when_asked"`` (the default: the stress from the first call that asks for it on, see above) or
             ``"always"`` (with every call that has a cell of three lattice vectors).
         keep_memory: on the CPU, make the process keep the memory that a call frees for the next call

@@ -118,6 +118,60 @@ def test_layer_float32_on_the_triton_node_kernels_is_accurate(device):
     torch.testing.assert_close(out, ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-5)
 
 
+@pytest.mark.parametrize("nodes, heads, width, dim_l, kdim, hidden",
+                         [(100, 1, 5, 3, 4, 10), (33, 2, 20, 1, 3, 16), (70, 3, 3, 5, 2, 8), (0, 2, 4, 3, 2, 4)])
+def test_node_sum_over_shares_equals_the_sum_of_products(device, nodes, heads, width, dim_l, kdim, hidden):
+    """The gradient of the radial networks' last layer, ``sum_i z_i^T U_i`` in its head-diagonal blocks, on strided
+    views of ``z`` and ``U`` as the node kernels pass them, split into several shares of nodes (the last one
+    partial), in float64."""
+    from e3attn.kernels.segments_triton import _node_sum
+
+    torch.manual_seed(0)
+    rows, cols = heads * width, kdim * heads * hidden
+    z = torch.randn(nodes, 2 + rows * dim_l + 3, dtype=torch.float64, device=device)
+    u = torch.randn(nodes, 4 + dim_l * kdim + 1, heads * hidden, dtype=torch.float64, device=device)
+    zb = z[:, 2 : 2 + rows * dim_l].unflatten(1, (rows, dim_l))
+    ub = u[:, 4 : 4 + dim_l * kdim].unflatten(1, (dim_l, -1)).flatten(2)
+    full = torch.einsum("irm,imc->rc", zb, ub).view(heads, width, kdim, heads, hidden)
+    expected = torch.diagonal(full, dim1=0, dim2=3).permute(3, 0, 1, 2).reshape(heads, width, kdim * hidden)
+    assert ub.shape[2] == cols
+    torch.testing.assert_close(_node_sum(zb, ub, heads, hidden), expected, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.skipif(CUDA, reason="on a GPU the choices are timed and one is taken")
+@pytest.mark.parametrize("pick", range(6))
+def test_every_tuned_choice_of_tiles_and_warps_gives_the_same_layer(device, monkeypatch, pick):
+    """The Triton kernels' tiles and warps are chosen by timing on a GPU (``tuned``): the layer's output and its
+    gradients (every tuned kernel: both edge contractions, the node outer product, the path features and their
+    gradients) are the same with each choice, in the interpreter, against the numba kernels."""
+    from triton.runtime.autotuner import Autotuner
+
+    from e3attn.kernels import paths_triton, segments_triton
+
+    original = Autotuner.prune_configs
+    monkeypatch.setattr(Autotuner, "prune_configs", lambda self, kwargs: [original(self, kwargs)[pick % len(
+        original(self, kwargs))]])
+    monkeypatch.setattr(segments_triton, "_TUNE_IN_INTERPRETER", True)
+    for kernel in (segments_triton._segment_rows_kernel, segments_triton._segment_outer_kernel,
+                   paths_triton._coefficients_kernel):
+        monkeypatch.setattr(kernel, "cache", {})
+    torch.manual_seed(0)
+    layer = EquivariantAttention("6x0e + 3x1o + 2x2e", "6x0e + 2x1o", "6x0e + 2x1o", "4x0e + 4x1o", max_radius=1.4,
+                                 num_heads=2).double()
+    pos = torch.randn(40, 3, dtype=torch.float64, requires_grad=True)
+    f = torch.randn(40, 25, dtype=torch.float64, requires_grad=True)
+
+    def run():
+        out = layer(f, pos)
+        grads = torch.autograd.grad(out.pow(2).sum(), [f, pos, *layer.parameters()])
+        return [out, *grads]
+
+    tuned = run()
+    kernels.set_cpu_backend("numba")
+    for a, b in zip(tuned, run()):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
 _SUBPROCESS = textwrap.dedent("""
     import sys, torch, e3attn
     from e3attn import kernels

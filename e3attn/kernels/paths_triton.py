@@ -18,11 +18,13 @@ import triton
 import triton.language as tl
 
 from .layout import component_major_paths, layout_for
-from .segments_triton import _block, _check_interpretable
+from .segments_triton import _block, _check_interpretable, tuned
 
 __all__ = ["path_features", "path_features_backward"]
 
 
+@tuned(["num_columns", "a_stride", "b_stride"], {"BLOCK_E": "num_edges"},
+       [(32, 4), (32, 2), (64, 4), (128, 4), (64, 8), (128, 8)])
 @triton.jit
 def _coefficients_kernel(a_ptr, a_stride, b_ptr, b_stride, index_ptr, start_ptr, a_cols_ptr, b_cols_ptr, coeff_ptr,
                          out_ptr, num_edges, num_columns, GATHER: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -123,10 +125,9 @@ def _sums(listed: _Chunked, a: torch.Tensor, b: torch.Tensor, index: torch.Tenso
     out = a.new_empty(num, num_columns)
     if out.numel() == 0:
         return out
-    block_e = 32
-    _coefficients_kernel[(triton.cdiv(num, block_e), listed.start.shape[0] - 1)](
+    _coefficients_kernel[lambda meta: (triton.cdiv(num, meta["BLOCK_E"]), listed.start.shape[0] - 1)](
         a, a.shape[1], b, b.shape[1], index, listed.start, listed.a_cols, listed.b_cols, listed.coeff, out, num,
-        num_columns, GATHER=gather_b, BLOCK_E=block_e, BLOCK_C=listed.block)
+        num_columns, GATHER=gather_b, BLOCK_C=listed.block)
     return out
 
 

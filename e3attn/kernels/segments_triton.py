@@ -11,7 +11,12 @@ The same outputs as :func:`e3attn.kernels.segments.node_pass` (see
   edges), ``_segment_rows_kernel``: :math:`t_e = y_e Q_i` or :math:`r_e = a_e Q_i^T`, one program per node and
   chunk of output columns streaming the node's edges through ``tl.dot``;
 * ``_segment_outer_kernel``: :math:`U_i = \sum_{e \to i} y_e^T a_e`, one program per node and tile of
-  :math:`U_i`.
+  :math:`U_i`;
+* ``_node_sum_kernel``: :math:`\sum_i X(U_i, z_i)`, the gradient of the radial networks' last layer, a sum over
+  all nodes split into shares (one program per share, head and tile), the shares' sums then added in order.
+
+On a GPU the segment kernels and the path features' kernel choose their tiles and warps by timing at their first
+call per shape (:func:`tuned`; ``E3ATTN_TRITON_AUTOTUNE=0``: the first choice).
 
 No per-edge weights, keys or values are formed: per edge only the path features :math:`y_e`
 (:mod:`e3attn.kernels.paths_triton`). Every program writes only its own rows, so the node contraction has no
@@ -36,8 +41,42 @@ from .._env import env_flag
 __all__ = ["node_pass"]
 
 BLOCK_E = 16  # edges per step of a node's segment (tl.dot's least size; most nodes have 10-40 edges)
+#: whether the kernels' tiles and warps are chosen by timing on the GPU (``E3ATTN_TRITON_AUTOTUNE``, see :func:`tuned`)
+AUTOTUNE = env_flag("E3ATTN_TRITON_AUTOTUNE", True)
+_TUNE_IN_INTERPRETER = False  # the tests set it to run every choice in the interpreter
 
 
+def tuned(key: List[str], sizes: Dict[str, str], choices: Sequence[Tuple[int, ...]]):
+    """Decorate a Triton kernel so that its tile sizes (the constexprs named in ``sizes``, each bounded by the size
+    argument it names) and its number of warps are chosen among ``choices`` (tuples of the tile sizes in the order
+    of ``sizes``, then the warps) by timing them on the GPU, once per value of the ``key`` arguments and dtypes
+    (``triton.autotune``: the first call with a new key runs each choice a few times). Tiles larger than their
+    size are cut to it (at least 16). The choices tile the output only: each output's sum runs in the same order
+    whichever is chosen. In Triton's interpreter, or with ``E3ATTN_TRITON_AUTOTUNE=0``, the first choice alone."""
+    names = list(sizes)
+    configs = [triton.Config(dict(zip(names, c[:-1])), num_warps=c[-1]) for c in choices]
+
+    def fitted(configs, named_args, **kwargs):
+        seen, out = set(), []
+        single = not AUTOTUNE or (_interpreting() and not _TUNE_IN_INTERPRETER)
+        for config in configs[: 1 if single else None]:
+            blocks = {n: min(config.kwargs[n], _block(named_args[sizes[n]], 16, 1 << 30)) for n in names}
+            if (tuple(blocks.values()), config.num_warps) not in seen:
+                seen.add((tuple(blocks.values()), config.num_warps))
+                out.append(triton.Config(blocks, num_warps=config.num_warps))
+        return out
+
+    def bench(fn, quantiles):  # a short timing: these kernels take microseconds to milliseconds
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+
+    return triton.autotune(configs, key=key, prune_configs_by={"early_config_prune": fitted}, do_bench=bench)
+
+
+
+@tuned(["k_size", "c_size", "m_stride_c"], {"BLOCK_C": "c_size"},
+       [(64, 4), (32, 2), (32, 4), (64, 2), (128, 4), (128, 8)])
 @triton.jit
 def _segment_rows_kernel(a_ptr, m_ptr, rowptr_ptr, out_ptr, k_size, c_size, m_node_stride, m_stride_k, m_stride_c,
                          BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -66,6 +105,8 @@ def _segment_rows_kernel(a_ptr, m_ptr, rowptr_ptr, out_ptr, k_size, c_size, m_no
         tl.store(out_ptr + rows[:, None] * c_size + cs[None, :], acc, mask=e_mask[:, None] & c_mask[None, :])
 
 
+@tuned(["j_size", "p_size"], {"BLOCK_J": "j_size", "BLOCK_P": "p_size"},
+       [(64, 64, 4), (32, 32, 2), (32, 64, 4), (64, 128, 8), (128, 64, 8), (128, 128, 8)])
 @triton.jit
 def _segment_outer_kernel(a_ptr, y_ptr, rowptr_ptr, u_ptr, j_size, p_size, BLOCK_E: tl.constexpr,
                           BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr):
@@ -88,6 +129,40 @@ def _segment_outer_kernel(a_ptr, y_ptr, rowptr_ptr, u_ptr, j_size, p_size, BLOCK
         acc += tl.dot(tl.trans(y), a, input_precision=PRECISION)
     base = u_ptr + node.to(tl.int64) * p_size * j_size
     tl.store(base + ps[:, None] * j_size + js[None, :], acc, mask=p_mask[:, None] & j_mask[None, :])
+
+
+@triton.jit
+def _node_sum_kernel(z_ptr, u_ptr, part_ptr, num_nodes, nodes_per_program, width, dim_l, hidden, kh_size, j_size,
+                     z_stride, u_stride, row_tiles, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
+    """``part[s, a, w, (k, h)] = sum_i sum_m z[i, (a, w), m] u[i, m, (k, a, h)]`` over the nodes ``i`` of share ``s =
+    program_id(0)`` (``nodes_per_program`` of them), for head ``a`` and the tile of rows ``w`` given by
+    ``program_id(1) = a row_tiles + tile`` and the tile of columns ``(k, h)`` by ``program_id(2)``; ``z[i, (a, w),
+    m]`` at ``z + i z_stride + (a width + w) dim_l + m``, ``u[i, m, (k, a, h)]`` at ``u + i u_stride + m
+    kdim j_size + k j_size + a hidden + h`` (``kh_size = kdim hidden``)."""
+    share = tl.program_id(0)
+    head = tl.program_id(1) // row_tiles
+    ws = (tl.program_id(1) % row_tiles) * BLOCK_R + tl.arange(0, BLOCK_R)
+    qs = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    w_mask = ws < width
+    q_mask = qs < kh_size
+    z_cols = (head * width + ws) * dim_l
+    u_cols = (qs // hidden) * j_size + head * hidden + qs % hidden
+    start = share * nodes_per_program
+    stop = tl.minimum(start + nodes_per_program, num_nodes)
+    acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=part_ptr.dtype.element_ty)
+    for n0 in range(start, stop, BLOCK_N):
+        ns = n0 + tl.arange(0, BLOCK_N)
+        n_mask = ns < stop
+        nodes = ns.to(tl.int64)
+        for m in range(dim_l):
+            zt = tl.load(z_ptr + nodes[:, None] * z_stride + z_cols[None, :] + m,
+                         mask=n_mask[:, None] & w_mask[None, :], other=0.0)
+            ut = tl.load(u_ptr + nodes[:, None] * u_stride + m * (kh_size // hidden) * j_size + u_cols[None, :],
+                         mask=n_mask[:, None] & q_mask[None, :], other=0.0)
+            acc += tl.dot(tl.trans(zt), ut, input_precision=PRECISION)
+    base = part_ptr + (share.to(tl.int64) * tl.num_programs(1) // row_tiles + head) * width * kh_size
+    tl.store(base + ws[:, None] * kh_size + qs[None, :], acc, mask=w_mask[:, None] & q_mask[None, :])
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -120,10 +195,9 @@ def _segment_rows(a: torch.Tensor, m: torch.Tensor, rowptr: torch.Tensor, over_p
     out = a.new_empty(a.shape[0], c_size)
     if out.numel() == 0:
         return out
-    block_c, block_k = _block(c_size, 16, 64), _block(k_size, 16, 64)
-    _segment_rows_kernel[(nodes, triton.cdiv(c_size, block_c))](
-        a, m, rowptr, out, k_size, c_size, paths * cols, stride_k, stride_c, BLOCK_E=BLOCK_E, BLOCK_K=block_k,
-        BLOCK_C=block_c, PRECISION=_precision(a.dtype))
+    _segment_rows_kernel[lambda meta: (nodes, triton.cdiv(c_size, meta["BLOCK_C"]))](
+        a, m, rowptr, out, k_size, c_size, paths * cols, stride_k, stride_c, BLOCK_E=BLOCK_E,
+        BLOCK_K=_block(k_size, 16, 64), PRECISION=_precision(a.dtype))
     return out
 
 
@@ -133,11 +207,38 @@ def _segment_outer(a: torch.Tensor, y: torch.Tensor, rowptr: torch.Tensor) -> to
     u = y.new_empty(nodes, p_size, j_size)
     if u.numel() == 0:
         return u
-    block_j, block_p = _block(j_size, 16, 64), _block(p_size, 16, 64)
-    _segment_outer_kernel[(nodes, triton.cdiv(p_size, block_p), triton.cdiv(j_size, block_j))](
-        a, y, rowptr, u, j_size, p_size, BLOCK_E=BLOCK_E, BLOCK_J=block_j, BLOCK_P=block_p,
-        PRECISION=_precision(y.dtype))
+    def grid(meta):
+        return nodes, triton.cdiv(p_size, meta["BLOCK_P"]), triton.cdiv(j_size, meta["BLOCK_J"])
+
+    _segment_outer_kernel[grid](a, y, rowptr, u, j_size, p_size, BLOCK_E=BLOCK_E, PRECISION=_precision(y.dtype))
     return u
+
+
+_SUM_PROGRAMS = 1024  # about as many programs of _node_sum_kernel: a few per multiprocessor
+_SUM_BLOCK_N = 32  # nodes per step of _node_sum_kernel (tl.dot's inner size)
+
+
+def _node_sum(zb: torch.Tensor, ub: torch.Tensor, heads: int, hidden: int) -> torch.Tensor:
+    """``G[a, w, (k, h)] = sum_i sum_m zb[i, (a, w), m] ub[i, m, (k, a, h)]`` ``[heads, width, kdim hidden]`` for
+    ``zb [N, heads width, M]`` (rows of ``z``: stride 1 along ``M``, ``M`` along the rows) and ``ub [N, M, kdim
+    heads hidden]`` (rows of ``U``: contiguous ``[M, kdim heads hidden]``): the head-diagonal blocks of ``sum_i
+    zb[i]^T ub[i]``, the others not computed. A sum over the nodes split into shares, each share's sum by one
+    program per head and tile (cuBLAS runs such a product, of a long inner dimension and a small result, on a few
+    programs), then the shares' sums added in order (bitwise repeatable)."""
+    nodes, rows, dim_l = zb.shape
+    width, kh_size = rows // heads, ub.shape[2] // heads
+    if nodes == 0:
+        return zb.new_zeros(heads, width, kh_size)
+    block_r, block_c = _block(width, 16, 32), _block(kh_size, 16, 64)
+    tiles = (heads * triton.cdiv(width, block_r), triton.cdiv(kh_size, block_c))
+    shares = max(1, min(triton.cdiv(nodes, _SUM_BLOCK_N), triton.cdiv(_SUM_PROGRAMS, tiles[0] * tiles[1])))
+    per_share = triton.cdiv(triton.cdiv(nodes, shares), _SUM_BLOCK_N) * _SUM_BLOCK_N
+    shares = triton.cdiv(nodes, per_share)
+    part = zb.new_empty(shares, heads, width, kh_size)
+    _node_sum_kernel[(shares,) + tiles](
+        zb, ub, part, nodes, per_share, width, dim_l, hidden, kh_size, heads * hidden, zb.stride(0), ub.stride(0),
+        tiles[0] // heads, BLOCK_N=_SUM_BLOCK_N, BLOCK_R=block_r, BLOCK_C=block_c, PRECISION=_precision(zb.dtype))
+    return part.sum(0)
 
 
 # ------------------------------------------------------------------ per node: E(z, L) and its adjoints, per block
@@ -241,11 +342,10 @@ def _adjoints(u: torch.Tensor, lt: Optional[torch.Tensor], z: Optional[torch.Ten
         if lt is not None:  # out[i, (a, w), m] = sum_(k, a', h) Lb[(a, w), (k, a', h)] U_i[m, (k, a', h)]
             r = torch.bmm(ub.transpose(0, 1), lb.t().expand(blk.dim_l, -1, -1))  # [2l+1, N, heads width]
             out[:, blk.zoff : blk.zoff + rows * blk.dim_l].unflatten(1, (rows, blk.dim_l)).copy_(r.permute(1, 2, 0))
-        if z is not None:  # sum over nodes and m of z_i[(a, w), m] U_i[m, (k, a', h)], then its a = a' blocks
-            g = torch.bmm(zb.permute(2, 1, 0), ub.transpose(0, 1)).sum(0)  # [heads width, K J]
-            g = torch.diagonal(g.view(heads, blk.width, blk.kdim, heads, hidden), dim1=0, dim2=3)  # [w, k, h, a]
+        if z is not None:  # sum over nodes and m of z_i[(a, w), m] U_i[m, (k, a, h)]: [a, w, (k, h)]
+            g = _node_sum(zb, ub, heads, hidden).view(heads, blk.width, blk.kdim, hidden)
             size = heads * blk.width * hidden * blk.kdim
-            glt[blk.loff : blk.loff + size].view(heads, blk.width, hidden, blk.kdim).copy_(g.permute(3, 0, 2, 1))
+            glt[blk.loff : blk.loff + size].view(heads, blk.width, hidden, blk.kdim).copy_(g.transpose(2, 3))
     return out, glt
 
 
