@@ -120,54 +120,40 @@ def test_layer_float32_on_the_triton_node_kernels_is_accurate(device):
 
 @pytest.mark.parametrize("nodes, heads, width, dim_l, kdim, hidden",
                          [(100, 1, 5, 3, 4, 10), (33, 2, 20, 1, 3, 16), (70, 3, 3, 5, 2, 8), (0, 2, 4, 3, 2, 4)])
-def test_per_node_products_of_a_block_equal_their_sums(device, nodes, heads, width, dim_l, kdim, hidden):
-    """One block's per-node products on the head-by-head layout, against einsum in float64: ``Q = E(z, L)``, the
-    adjoint ``R(U, L)`` and ``sum_i X(U_i, z_i)`` (the gradient of the radial networks' last layer, a sum over the
-    nodes split into several shares, the last one partial), with the block in the middle of ``z``, ``L`` and the
-    rows, zero elsewhere."""
-    from e3attn.kernels import nodes_triton
+def test_node_sum_over_shares_equals_the_sum_of_products(device, nodes, heads, width, dim_l, kdim, hidden):
+    """The gradient of the radial networks' last layer, ``sum_i z_i^T U_i`` in its head-diagonal blocks, on strided
+    views of ``z`` and ``U`` as the node kernels pass them, split into several shares of nodes (the last one
+    partial), in float64."""
+    from e3attn.kernels.segments_triton import _node_sum
 
     torch.manual_seed(0)
-    zoff, poff, loff, paths = 2, 3, 5, 3 + dim_l * kdim + 2
-    zwidth, lsize = zoff + heads * width * dim_l + 3, loff + heads * width * hidden * kdim + 4
-    table, dims = [[poff, kdim, dim_l, width, loff, zoff]], [heads, hidden, paths, zwidth, lsize]
-    z = torch.randn(nodes, zwidth, dtype=torch.float64, device=device)
-    lt = torch.randn(lsize, dtype=torch.float64, device=device)
-    u = torch.randn(nodes, heads, paths, hidden, dtype=torch.float64, device=device)
-    zb = z[:, zoff : zoff + heads * width * dim_l].view(nodes, heads, width, dim_l)
-    lb = lt[loff : lsize - 4].view(heads, width, hidden, kdim)
-    ub = u[:, :, poff : poff + dim_l * kdim].unflatten(2, (dim_l, kdim))  # [N, a, m, k, h]
-
-    q = torch.zeros(nodes, heads, paths, hidden, dtype=torch.float64, device=device)
-    q[:, :, poff : poff + dim_l * kdim] = torch.einsum("iawm,awhk->iamkh", zb, lb).flatten(2, 3)
-    torch.testing.assert_close(nodes_triton.expand(z, lt, table, dims), q, atol=1e-12, rtol=1e-12)
-
-    out, glt = nodes_triton.adjoints(u, lt, z, table, dims)
-    expected_out = torch.zeros_like(z)
-    expected_out[:, zoff : zoff + heads * width * dim_l] = torch.einsum("iamkh,awhk->iawm", ub, lb).flatten(1)
-    expected_glt = torch.zeros_like(lt)
-    expected_glt[loff : lsize - 4] = torch.einsum("iawm,iamkh->awhk", zb, ub).flatten()
-    torch.testing.assert_close(out, expected_out, atol=1e-12, rtol=1e-12)
-    torch.testing.assert_close(glt, expected_glt, atol=1e-12, rtol=1e-12)
+    rows, cols = heads * width, kdim * heads * hidden
+    z = torch.randn(nodes, 2 + rows * dim_l + 3, dtype=torch.float64, device=device)
+    u = torch.randn(nodes, 4 + dim_l * kdim + 1, heads * hidden, dtype=torch.float64, device=device)
+    zb = z[:, 2 : 2 + rows * dim_l].unflatten(1, (rows, dim_l))
+    ub = u[:, 4 : 4 + dim_l * kdim].unflatten(1, (dim_l, -1)).flatten(2)
+    full = torch.einsum("irm,imc->rc", zb, ub).view(heads, width, kdim, heads, hidden)
+    expected = torch.diagonal(full, dim1=0, dim2=3).permute(3, 0, 1, 2).reshape(heads, width, kdim * hidden)
+    assert ub.shape[2] == cols
+    torch.testing.assert_close(_node_sum(zb, ub, heads, hidden), expected, atol=1e-12, rtol=1e-12)
 
 
 @pytest.mark.skipif(CUDA, reason="on a GPU the choices are timed and one is taken")
 @pytest.mark.parametrize("pick", range(6))
 def test_every_tuned_choice_of_tiles_and_warps_gives_the_same_layer(device, monkeypatch, pick):
     """The Triton kernels' tiles and warps are chosen by timing on a GPU (``tuned``): the layer's output and its
-    gradients (every tuned kernel: both edge contractions, the node outer product, the per-node expansion and its
-    adjoint, the path features and their gradients) are the same with each choice, in the interpreter, against
-    the numba kernels."""
+    gradients (every tuned kernel: both edge contractions, the node outer product, the path features and their
+    gradients) are the same with each choice, in the interpreter, against the numba kernels."""
     from triton.runtime.autotuner import Autotuner
 
-    from e3attn.kernels import nodes_triton, paths_triton, segments_triton, triton_tools
+    from e3attn.kernels import paths_triton, segments_triton
 
     original = Autotuner.prune_configs
     monkeypatch.setattr(Autotuner, "prune_configs", lambda self, kwargs: [original(self, kwargs)[pick % len(
         original(self, kwargs))]])
-    monkeypatch.setattr(triton_tools, "_TUNE_IN_INTERPRETER", True)
+    monkeypatch.setattr(segments_triton, "_TUNE_IN_INTERPRETER", True)
     for kernel in (segments_triton._segment_rows_kernel, segments_triton._segment_outer_kernel,
-                   nodes_triton._expand_kernel, nodes_triton._adjoint_kernel, paths_triton._coefficients_kernel):
+                   paths_triton._coefficients_kernel):
         monkeypatch.setattr(kernel, "cache", {})
     torch.manual_seed(0)
     layer = EquivariantAttention("6x0e + 3x1o + 2x2e", "6x0e + 2x1o", "6x0e + 2x1o", "4x0e + 4x1o", max_radius=1.4,

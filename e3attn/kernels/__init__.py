@@ -8,9 +8,8 @@ formulation, two backends, chosen by :func:`backend` for the device of the tenso
   order of derivative (forces and their training) runs on them; they dispatch to
 * :mod:`e3attn.kernels.segments` (numba, CPU tensors): a kernel over the nodes (``node_pass``) and one for the
   path features, compiled on first use (once per dtype) and cached on disk; or
-* :mod:`e3attn.kernels.segments_triton`, :mod:`e3attn.kernels.nodes_triton` and :mod:`e3attn.kernels.paths_triton`
-  (Triton, CUDA tensors; CPU tensors in Triton's interpreter after :func:`set_cpu_backend` ``("triton")`` or
-  ``E3ATTN_KERNEL_BACKEND=triton``), with what they share in :mod:`e3attn.kernels.triton_tools`;
+* :mod:`e3attn.kernels.segments_triton` and :mod:`e3attn.kernels.paths_triton` (Triton, CUDA tensors; CPU tensors
+  in Triton's interpreter after :func:`set_cpu_backend` ``("triton")`` or ``E3ATTN_KERNEL_BACKEND=triton``);
 * :mod:`e3attn.kernels.layout`: the product's structure as flat arrays, which both backends read;
 * :mod:`e3attn.kernels.geometry_ops` and :mod:`e3attn.kernels.softmax_ops`: on the CPU (numba) the edges'
   harmonics, radial first layer and lengths, and the attention's softmax over each node's edges, one pass per

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .layout import component_major_paths, layout_for
-from .triton_tools import _block, _check_interpretable, tuned
+from .segments_triton import _block, _check_interpretable, tuned
 
 __all__ = ["path_features", "path_features_backward"]
 
