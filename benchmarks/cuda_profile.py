@@ -25,6 +25,14 @@ from e3attn import kernels  # noqa: E402
 from e3attn.calculator import E3AttnCalculator  # noqa: E402
 
 
+def _kernels(events) -> list:
+    """The events that are work on the GPU: not the ranges of ``torch.profiler.record_function`` (e3attn's
+    operators name their kernels' calls so), which the profiler also lists on the GPU and which span kernels
+    already counted."""
+    return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+            and not getattr(e, "is_user_annotation", False)]
+
+
 def profile_md(num_atoms: int, calls: int = 5) -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -42,8 +50,9 @@ def profile_md(num_atoms: int, calls: int = 5) -> None:
             atoms.get_forces()
         torch.cuda.synchronize()
     events = prof.key_averages()
-    launches = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    on_device = _kernels(events)
+    launches = sum(e.count for e in on_device)
+    gpu_us = sum(e.self_device_time_total for e in on_device)
     syncs = sum(e.count for e in events if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::item",
                                                      "aten::_local_scalar_dense"))
     enabled = kernels.fused_enabled(torch.device("cuda"), torch.float32)
@@ -68,7 +77,7 @@ def profile_layer(case: str, device: torch.device, steps: int = 3) -> None:
             step()
         layer_benchmark.sync(device)
     events = prof.key_averages()
-    on_device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    on_device = _kernels(events)
     busy = sum(e.self_device_time_total for e in on_device)
     enabled = kernels.fused_enabled(device, torch.float32)
     print(f"layer {case}, {edge_index.shape[1]} edges, cuda kernels {enabled}: "

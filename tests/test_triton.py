@@ -119,7 +119,8 @@ def test_layer_float32_on_the_triton_node_kernels_is_accurate(device):
 
 
 @pytest.mark.parametrize("nodes, heads, width, dim_l, kdim, hidden",
-                         [(100, 1, 5, 3, 4, 10), (33, 2, 20, 1, 3, 16), (70, 3, 3, 5, 2, 8), (0, 2, 4, 3, 2, 4)])
+                         [(100, 1, 5, 3, 4, 10), (33, 2, 20, 1, 3, 16), (70, 3, 3, 5, 2, 8), (0, 2, 4, 3, 2, 4),
+                          (40, 2, 4, 3, 0, 4)])
 def test_node_sum_over_shares_equals_the_sum_of_products(device, nodes, heads, width, dim_l, kdim, hidden):
     """The gradient of the radial networks' last layer, ``sum_i z_i^T U_i`` in its head-diagonal blocks, on strided
     views of ``z`` and ``U`` as the node kernels pass them, split into several shares of nodes (the last one
@@ -136,6 +137,33 @@ def test_node_sum_over_shares_equals_the_sum_of_products(device, nodes, heads, w
     expected = torch.diagonal(full, dim1=0, dim2=3).permute(3, 0, 1, 2).reshape(heads, width, kdim * hidden)
     assert ub.shape[2] == cols
     torch.testing.assert_close(_node_sum(zb, ub, heads, hidden), expected, atol=1e-12, rtol=1e-12)
+
+
+def test_layer_with_a_block_without_paths_runs_on_the_triton_kernels(device):
+    """A support that cuts every path into an output irrep leaves a block of the product without paths (``1x1e``
+    here): its gradients are zero on the Triton kernels as on numba's, forces and weights alike."""
+    torch.manual_seed(0)
+    layer = EquivariantAttention("4x0e + 2x1o", "4x0e + 2x1o", "4x0e + 2x1o", "4x0e + 2x1o + 2x1e", max_radius=1.4,
+                                 num_heads=2, lmax=2, input_support="0e").double().to(device)
+    assert any(row[1] == 0 for row in layer.nodes._value_blocks.tolist())  # the case in question
+    pos = torch.randn(30, 3, dtype=torch.float64, requires_grad=True)
+    f = torch.randn(30, 10, dtype=torch.float64)
+    f[:, 4:] = 0.0  # the support: scalars only
+
+    def run():
+        out = layer(f.to(device), pos.to(device))
+        return [out, *torch.autograd.grad(out.pow(2).sum(), [pos, *layer.parameters()], allow_unused=True)]
+
+    on_triton = [t.cpu() if t is not None else None for t in run()]
+    previous = kernels.set_cpu_backend("numba") if device.type == "cpu" else kernels.set_cuda_kernels(False)
+    try:
+        reference = run()
+    finally:
+        (kernels.set_cpu_backend if device.type == "cpu" else kernels.set_cuda_kernels)(previous)
+    for a, b in zip(on_triton, reference):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b.cpu(), atol=1e-10, rtol=1e-10)
 
 
 @pytest.mark.skipif(CUDA, reason="on a GPU the choices are timed and one is taken")

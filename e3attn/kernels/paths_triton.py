@@ -18,16 +18,16 @@ import triton
 import triton.language as tl
 
 from .layout import component_major_paths, layout_for
-from .segments_triton import _block, _check_interpretable, tuned
+from .segments_triton import _block, _check_interpretable, size_class, tuned
 
 __all__ = ["path_features", "path_features_backward"]
 
 
-@tuned(["num_columns", "a_stride", "b_stride"], {"BLOCK_E": "num_edges"},
+@tuned(["num_columns", "a_stride", "b_stride", "GATHER", "BLOCK_C"], {"BLOCK_E": "num_edges"},
        [(32, 4), (32, 2), (64, 4), (128, 4), (64, 8), (128, 8)])
 @triton.jit
 def _coefficients_kernel(a_ptr, a_stride, b_ptr, b_stride, index_ptr, start_ptr, a_cols_ptr, b_cols_ptr, coeff_ptr,
-                         out_ptr, num_edges, num_columns, GATHER: tl.constexpr, BLOCK_E: tl.constexpr,
+                         out_ptr, num_edges, num_columns, size_class, GATHER: tl.constexpr, BLOCK_E: tl.constexpr,
                          BLOCK_C: tl.constexpr):
     """Sums of Clebsch-Gordan terms for a tile of edges (``program_id(0)``) and of output columns (``program_id(1)``):
     ``out[e, c] = sum_r coeff[r, c] a[e, a_cols[r, c]] b[rows(e), b_cols[r, c]]`` over the rows ``r`` of the
@@ -127,7 +127,7 @@ def _sums(listed: _Chunked, a: torch.Tensor, b: torch.Tensor, index: torch.Tenso
         return out
     _coefficients_kernel[lambda meta: (triton.cdiv(num, meta["BLOCK_E"]), listed.start.shape[0] - 1)](
         a, a.shape[1], b, b.shape[1], index, listed.start, listed.a_cols, listed.b_cols, listed.coeff, out, num,
-        num_columns, GATHER=gather_b, BLOCK_C=listed.block)
+        num_columns, size_class(num), GATHER=gather_b, BLOCK_C=listed.block)
     return out
 
 

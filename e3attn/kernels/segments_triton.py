@@ -13,7 +13,8 @@ The same outputs as :func:`e3attn.kernels.segments.node_pass` (see
 * ``_segment_outer_kernel``: :math:`U_i = \sum_{e \to i} y_e^T a_e`, one program per node and tile of
   :math:`U_i`;
 * ``_node_sum_kernel``: :math:`\sum_i X(U_i, z_i)`, the gradient of the radial networks' last layer, a sum over
-  all nodes split into shares (one program per share, head and tile), the shares' sums then added in order.
+  all nodes split into shares (one program per share, head and tile), then the shares' sums added (bitwise
+  repeatable).
 
 On a GPU the segment kernels and the path features' kernel choose their tiles and warps by timing at their first
 call per shape (:func:`~e3attn.kernels.segments_triton.tuned`; ``E3ATTN_TRITON_AUTOTUNE=0``: the first choice).
@@ -46,13 +47,31 @@ AUTOTUNE = env_flag("E3ATTN_TRITON_AUTOTUNE", True)
 _TUNE_IN_INTERPRETER = False  # the tests set it to run every choice in the interpreter
 
 
+def _block(n: int, least: int, most: int) -> int:
+    return max(least, min(most, triton.next_power_of_2(max(n, 1))))
+
+
+def _interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1`` when it was imported)."""
+    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4
+    return bool(knobs.runtime.interpret) if knobs is not None else env_flag("TRITON_INTERPRET", False)
+
+
+def size_class(n: int) -> int:
+    """The bit length of ``n`` (at least 1): sizes of one class share a choice of tiles (:func:`tuned`)."""
+    return max(int(n), 1).bit_length()
+
+
 def tuned(key: List[str], sizes: Dict[str, str], choices: Sequence[Tuple[int, ...]]):
     """Decorate a Triton kernel so that its tile sizes (the constexprs named in ``sizes``, each bounded by the size
     argument it names) and its number of warps are chosen among ``choices`` (tuples of the tile sizes in the order
     of ``sizes``, then the warps) by timing them on the GPU, once per value of the ``key`` arguments and dtypes
-    (``triton.autotune``: the first call with a new key runs each choice a few times). Tiles larger than their
-    size are cut to it (at least 16). The choices tile the output only: each output's sum runs in the same order
-    whichever is chosen. In Triton's interpreter, or with ``E3ATTN_TRITON_AUTOTUNE=0``, the first choice alone."""
+    (``triton.autotune``: the first call with a new key runs each choice a few times; the choice is kept on disk,
+    so later processes skip the timing). The kernels take an unused argument ``size_class``
+    (:func:`size_class` of the number of nodes or edges) for their keys, so that a choice made on small graphs
+    does not serve large ones. Tiles larger than their size are cut to it (at least 16). The choices tile the
+    output only: with IEEE products each output's sum runs in the same order whichever is chosen. In Triton's
+    interpreter, or with ``E3ATTN_TRITON_AUTOTUNE=0``, the first choice alone, untimed."""
     names = list(sizes)
     configs = [triton.Config(dict(zip(names, c[:-1])), num_warps=c[-1]) for c in choices]
 
@@ -67,19 +86,22 @@ def tuned(key: List[str], sizes: Dict[str, str], choices: Sequence[Tuple[int, ..
         return out
 
     def bench(fn, quantiles):  # a short timing: these kernels take microseconds to milliseconds
+        if _interpreting() or not AUTOTUNE:  # one choice, nothing to time (Triton before 3.9 times even one)
+            return [0.0, 0.0, 0.0]
         import triton.testing
 
         return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
-    return triton.autotune(configs, key=key, prune_configs_by={"early_config_prune": fitted}, do_bench=bench)
+    return triton.autotune(configs, key=key + ["size_class"], prune_configs_by={"early_config_prune": fitted},
+                           do_bench=bench, cache_results=AUTOTUNE and not _interpreting())
 
 
 
-@tuned(["k_size", "c_size", "m_stride_c"], {"BLOCK_C": "c_size"},
+@tuned(["k_size", "c_size", "m_stride_c", "PRECISION"], {"BLOCK_C": "c_size"},
        [(64, 4), (32, 2), (32, 4), (64, 2), (128, 4), (128, 8)])
 @triton.jit
 def _segment_rows_kernel(a_ptr, m_ptr, rowptr_ptr, out_ptr, k_size, c_size, m_node_stride, m_stride_k, m_stride_c,
-                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+                         size_class, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
                          PRECISION: tl.constexpr):
     """``out[e, c] = sum_k a[e, k] M_i[k, c]`` for the edges ``e`` of node ``i = program_id(0)``, columns of chunk
     ``program_id(1)``, with ``M_i[k, c]`` at ``m + i m_node_stride + k m_stride_k + c m_stride_c``."""
@@ -105,10 +127,10 @@ def _segment_rows_kernel(a_ptr, m_ptr, rowptr_ptr, out_ptr, k_size, c_size, m_no
         tl.store(out_ptr + rows[:, None] * c_size + cs[None, :], acc, mask=e_mask[:, None] & c_mask[None, :])
 
 
-@tuned(["j_size", "p_size"], {"BLOCK_J": "j_size", "BLOCK_P": "p_size"},
+@tuned(["j_size", "p_size", "PRECISION"], {"BLOCK_J": "j_size", "BLOCK_P": "p_size"},
        [(64, 64, 4), (32, 32, 2), (32, 64, 4), (64, 128, 8), (128, 64, 8), (128, 128, 8)])
 @triton.jit
-def _segment_outer_kernel(a_ptr, y_ptr, rowptr_ptr, u_ptr, j_size, p_size, BLOCK_E: tl.constexpr,
+def _segment_outer_kernel(a_ptr, y_ptr, rowptr_ptr, u_ptr, j_size, p_size, size_class, BLOCK_E: tl.constexpr,
                           BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr):
     """``U[i, p, j] = sum_{e -> i} y[e, p] a[e, j]`` for node ``i = program_id(0)`` and the tile
     ``(program_id(1), program_id(2))`` of its ``[P, J]`` (zero for a node without edges)."""
@@ -170,16 +192,6 @@ def _precision(dtype: torch.dtype) -> str:
     return "tf32" if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
-def _block(n: int, least: int, most: int) -> int:
-    return max(least, min(most, triton.next_power_of_2(max(n, 1))))
-
-
-def _interpreting() -> bool:
-    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1`` when it was imported)."""
-    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4
-    return bool(knobs.runtime.interpret) if knobs is not None else env_flag("TRITON_INTERPRET", False)
-
-
 def _check_interpretable(t: torch.Tensor) -> None:
     if t.device.type == "cpu" and not _interpreting():
         raise RuntimeError("the Triton kernels run CPU tensors only in Triton's interpreter: set TRITON_INTERPRET=1 "
@@ -196,7 +208,7 @@ def _segment_rows(a: torch.Tensor, m: torch.Tensor, rowptr: torch.Tensor, over_p
     if out.numel() == 0:
         return out
     _segment_rows_kernel[lambda meta: (nodes, triton.cdiv(c_size, meta["BLOCK_C"]))](
-        a, m, rowptr, out, k_size, c_size, paths * cols, stride_k, stride_c, BLOCK_E=BLOCK_E,
+        a, m, rowptr, out, k_size, c_size, paths * cols, stride_k, stride_c, size_class(nodes), BLOCK_E=BLOCK_E,
         BLOCK_K=_block(k_size, 16, 64), PRECISION=_precision(a.dtype))
     return out
 
@@ -210,7 +222,8 @@ def _segment_outer(a: torch.Tensor, y: torch.Tensor, rowptr: torch.Tensor) -> to
     def grid(meta):
         return nodes, triton.cdiv(p_size, meta["BLOCK_P"]), triton.cdiv(j_size, meta["BLOCK_J"])
 
-    _segment_outer_kernel[grid](a, y, rowptr, u, j_size, p_size, BLOCK_E=BLOCK_E, PRECISION=_precision(y.dtype))
+    _segment_outer_kernel[grid](a, y, rowptr, u, j_size, p_size, size_class(nodes), BLOCK_E=BLOCK_E,
+                                PRECISION=_precision(y.dtype))
     return u
 
 
@@ -224,10 +237,10 @@ def _node_sum(zb: torch.Tensor, ub: torch.Tensor, heads: int, hidden: int) -> to
     heads hidden]`` (rows of ``U``: contiguous ``[M, kdim heads hidden]``): the head-diagonal blocks of ``sum_i
     zb[i]^T ub[i]``, the others not computed. A sum over the nodes split into shares, each share's sum by one
     program per head and tile (cuBLAS runs such a product, of a long inner dimension and a small result, on a few
-    programs), then the shares' sums added in order (bitwise repeatable)."""
+    programs), then the shares' sums added (bitwise repeatable)."""
     nodes, rows, dim_l = zb.shape
     width, kh_size = rows // heads, ub.shape[2] // heads
-    if nodes == 0:
+    if nodes == 0 or width == 0 or kh_size == 0:  # a block without paths (cut by a support) or channels
         return zb.new_zeros(heads, width, kh_size)
     block_r, block_c = _block(width, 16, 32), _block(kh_size, 16, 64)
     tiles = (heads * triton.cdiv(width, block_r), triton.cdiv(kh_size, block_c))
