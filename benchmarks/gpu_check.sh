@@ -2,7 +2,7 @@
 # A short check on a lent GPU (the device tool) after changes, in about 6 minutes: the CUDA tests (the Triton
 # kernels, the calculator's CUDA graphs; failures in tests.log), MD speed (CUDA graphs with the plain formulation
 # and with the Triton kernels; the Triton kernels eager), the layer benchmark (guide and large, with the plain,
-# Triton and OpenEquivariance rows; large also with the Triton kernels' tiles untuned) and the layer's force step
+# Triton and OpenEquivariance rows; again with the Triton kernels' tiles untuned) and the layer's force step
 # by GPU time per operation (profile.log).
 #
 #   bash benchmarks/gpu_round.sh prepare    # here: the wheels the GPU machine lacks, into .whl/ (carry it)
@@ -47,9 +47,9 @@ timeout 110 python3 "${layer[@]}" --configs guide --sizes 1000 10000 100000 --ou
     | grep -v -i "warn\|JIT\|TensorProduct\|^$"
 timeout 100 python3 "${layer[@]}" --configs large --sizes 1000 10000 --out "$out/layer_large.json" 2>&1 \
     | grep -v -i "warn\|JIT\|TensorProduct\|^$"
-echo "large, the Triton kernels' first choice of tiles (E3ATTN_TRITON_AUTOTUNE=0):"
-E3ATTN_TRITON_AUTOTUNE=0 timeout 60 python3 benchmarks/layer.py --device cuda --forces --cuda-kernels --repeats 5 --max-gb 60 \
-    --configs large --sizes 1000 10000 --out "$out/layer_large_untuned.json" 2>&1 | grep -E "^ *large"
+echo "the Triton kernels' first choice of tiles (E3ATTN_TRITON_AUTOTUNE=0), against the tuned rows above:"
+E3ATTN_TRITON_AUTOTUNE=0 timeout 90 python3 benchmarks/layer.py --device cuda --forces --cuda-kernels --repeats 5 \
+    --max-gb 60 --configs guide large --sizes 1000 10000 --out "$out/layer_untuned.json" 2>&1 | grep -E "^ *(guide|large)"
 
 step profile
 timeout 60 python3 benchmarks/cuda_profile.py --atoms --layer guide:10000 large:10000 > "$out/profile.log" 2>&1

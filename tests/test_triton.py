@@ -149,10 +149,11 @@ def test_layer_with_a_block_without_paths_runs_on_the_triton_kernels(device):
     pos = torch.randn(30, 3, dtype=torch.float64, requires_grad=True)
     f = torch.randn(30, 10, dtype=torch.float64)
     f[:, 4:] = 0.0  # the support: scalars only
+    f.requires_grad_()
 
     def run():
         out = layer(f.to(device), pos.to(device))
-        return [out, *torch.autograd.grad(out.pow(2).sum(), [pos, *layer.parameters()], allow_unused=True)]
+        return [out, *torch.autograd.grad(out.pow(2).sum(), [f, pos, *layer.parameters()], allow_unused=True)]
 
     on_triton = [t.cpu() if t is not None else None for t in run()]
     previous = kernels.set_cpu_backend("numba") if device.type == "cpu" else kernels.set_cuda_kernels(False)

@@ -25,7 +25,7 @@ __all__ = ["path_features", "path_features_backward"]
 
 @tuned(["num_columns", "a_stride", "b_stride", "GATHER", "BLOCK_C"], {"BLOCK_E": "num_edges"},
        [(32, 4), (32, 2), (64, 4), (128, 4), (64, 8), (128, 8)])
-@triton.jit
+@triton.jit(do_not_specialize=["size_class"])
 def _coefficients_kernel(a_ptr, a_stride, b_ptr, b_stride, index_ptr, start_ptr, a_cols_ptr, b_cols_ptr, coeff_ptr,
                          out_ptr, num_edges, num_columns, size_class, GATHER: tl.constexpr, BLOCK_E: tl.constexpr,
                          BLOCK_C: tl.constexpr):

@@ -52,7 +52,8 @@ def _block(n: int, least: int, most: int) -> int:
 
 
 def _interpreting() -> bool:
-    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1`` when it was imported)."""
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``, which must be set before Triton's
+    kernels are defined: before e3attn's kernels are imported)."""
     knobs = getattr(triton, "knobs", None)  # Triton >= 3.4
     return bool(knobs.runtime.interpret) if knobs is not None else env_flag("TRITON_INTERPRET", False)
 
@@ -66,18 +67,20 @@ def tuned(key: List[str], sizes: Dict[str, str], choices: Sequence[Tuple[int, ..
     """Decorate a Triton kernel so that its tile sizes (the constexprs named in ``sizes``, each bounded by the size
     argument it names) and its number of warps are chosen among ``choices`` (tuples of the tile sizes in the order
     of ``sizes``, then the warps) by timing them on the GPU, once per value of the ``key`` arguments and dtypes
-    (``triton.autotune``: the first call with a new key runs each choice a few times; the choice is kept on disk,
-    so later processes skip the timing). The kernels take an unused argument ``size_class``
+    (``triton.autotune``: the first call with a new key runs each choice a few times; the choice is kept on disk
+    with Triton's compiled kernels, so later processes skip the timing: delete Triton's cache, ``TRITON_CACHE_DIR``
+    or ``~/.triton/cache``, to time again). The kernels take an unused argument ``size_class``
     (:func:`size_class` of the number of nodes or edges) for their keys, so that a choice made on small graphs
     does not serve large ones. Tiles larger than their size are cut to it (at least 16). The choices tile the
     output only: with IEEE products each output's sum runs in the same order whichever is chosen. In Triton's
     interpreter, or with ``E3ATTN_TRITON_AUTOTUNE=0``, the first choice alone, untimed."""
     names = list(sizes)
     configs = [triton.Config(dict(zip(names, c[:-1])), num_warps=c[-1]) for c in choices]
+    interpreted = _interpreting()  # as when the kernel is defined, which is what runs it
 
     def fitted(configs, named_args, **kwargs):
         seen, out = set(), []
-        single = not AUTOTUNE or (_interpreting() and not _TUNE_IN_INTERPRETER)
+        single = not AUTOTUNE or (interpreted and not _TUNE_IN_INTERPRETER)
         for config in configs[: 1 if single else None]:
             blocks = {n: min(config.kwargs[n], _block(named_args[sizes[n]], 16, 1 << 30)) for n in names}
             if (tuple(blocks.values()), config.num_warps) not in seen:
@@ -86,20 +89,20 @@ def tuned(key: List[str], sizes: Dict[str, str], choices: Sequence[Tuple[int, ..
         return out
 
     def bench(fn, quantiles):  # a short timing: these kernels take microseconds to milliseconds
-        if _interpreting() or not AUTOTUNE:  # one choice, nothing to time (Triton before 3.9 times even one)
+        if interpreted or not AUTOTUNE:  # one choice, nothing to time (Triton before 3.9 times even one)
             return [0.0, 0.0, 0.0]
         import triton.testing
 
         return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
     return triton.autotune(configs, key=key + ["size_class"], prune_configs_by={"early_config_prune": fitted},
-                           do_bench=bench, cache_results=AUTOTUNE and not _interpreting())
+                           do_bench=bench, cache_results=AUTOTUNE and not interpreted)
 
 
 
 @tuned(["k_size", "c_size", "m_stride_c", "PRECISION"], {"BLOCK_C": "c_size"},
        [(64, 4), (32, 2), (32, 4), (64, 2), (128, 4), (128, 8)])
-@triton.jit
+@triton.jit(do_not_specialize=["size_class"])
 def _segment_rows_kernel(a_ptr, m_ptr, rowptr_ptr, out_ptr, k_size, c_size, m_node_stride, m_stride_k, m_stride_c,
                          size_class, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
                          PRECISION: tl.constexpr):
@@ -129,7 +132,7 @@ def _segment_rows_kernel(a_ptr, m_ptr, rowptr_ptr, out_ptr, k_size, c_size, m_no
 
 @tuned(["j_size", "p_size", "PRECISION"], {"BLOCK_J": "j_size", "BLOCK_P": "p_size"},
        [(64, 64, 4), (32, 32, 2), (32, 64, 4), (64, 128, 8), (128, 64, 8), (128, 128, 8)])
-@triton.jit
+@triton.jit(do_not_specialize=["size_class"])
 def _segment_outer_kernel(a_ptr, y_ptr, rowptr_ptr, u_ptr, j_size, p_size, size_class, BLOCK_E: tl.constexpr,
                           BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr):
     """``U[i, p, j] = sum_{e -> i} y[e, p] a[e, j]`` for node ``i = program_id(0)`` and the tile
