@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A short check on a lent GPU (the device tool) after changes, in about 6 minutes: the CUDA tests (the Triton
+# A short check on a lent GPU (the device tool) after changes, in about 7 minutes: the CUDA tests (the Triton
 # kernels, the calculator's CUDA graphs; failures in tests.log), MD speed (CUDA graphs with the plain formulation
 # and with the Triton kernels; the Triton kernels eager), the layer benchmark (guide and large, with the plain,
 # Triton and OpenEquivariance rows; again with the Triton kernels' tiles untuned) and the layer's force step
