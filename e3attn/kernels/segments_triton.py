@@ -99,7 +99,6 @@ def tuned(key: List[str], sizes: Dict[str, str], choices: Sequence[Tuple[int, ..
                            do_bench=bench, cache_results=AUTOTUNE and not interpreted)
 
 
-
 @tuned(["k_size", "c_size", "m_stride_c", "PRECISION"], {"BLOCK_C": "c_size"},
        [(64, 4), (32, 2), (32, 4), (64, 2), (128, 4), (128, 8)])
 @triton.jit(do_not_specialize=["size_class"])
@@ -158,13 +157,13 @@ def _segment_outer_kernel(a_ptr, y_ptr, rowptr_ptr, u_ptr, j_size, p_size, size_
 
 @triton.jit
 def _node_sum_kernel(z_ptr, u_ptr, part_ptr, num_nodes, nodes_per_program, width, dim_l, hidden, kh_size, j_size,
-                     z_stride, u_stride, row_tiles, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                     z_stride, u_stride, u_m_stride, row_tiles, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
     """``part[s, a, w, (k, h)] = sum_i sum_m z[i, (a, w), m] u[i, m, (k, a, h)]`` over the nodes ``i`` of share ``s =
     program_id(0)`` (``nodes_per_program`` of them), for head ``a`` and the tile of rows ``w`` given by
     ``program_id(1) = a row_tiles + tile`` and the tile of columns ``(k, h)`` by ``program_id(2)``; ``z[i, (a, w),
     m]`` at ``z + i z_stride + (a width + w) dim_l + m``, ``u[i, m, (k, a, h)]`` at ``u + i u_stride + m
-    kdim j_size + k j_size + a hidden + h`` (``kh_size = kdim hidden``)."""
+    u_m_stride + k j_size + a hidden + h`` (``kh_size = kdim hidden``)."""
     share = tl.program_id(0)
     head = tl.program_id(1) // row_tiles
     ws = (tl.program_id(1) % row_tiles) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -183,7 +182,7 @@ def _node_sum_kernel(z_ptr, u_ptr, part_ptr, num_nodes, nodes_per_program, width
         for m in range(dim_l):
             zt = tl.load(z_ptr + nodes[:, None] * z_stride + z_cols[None, :] + m,
                          mask=n_mask[:, None] & w_mask[None, :], other=0.0)
-            ut = tl.load(u_ptr + nodes[:, None] * u_stride + m * (kh_size // hidden) * j_size + u_cols[None, :],
+            ut = tl.load(u_ptr + nodes[:, None] * u_stride + m * u_m_stride + u_cols[None, :],
                          mask=n_mask[:, None] & q_mask[None, :], other=0.0)
             acc += tl.dot(tl.trans(zt), ut, input_precision=PRECISION)
     base = part_ptr + (share.to(tl.int64) * tl.num_programs(1) // row_tiles + head) * width * kh_size
@@ -222,6 +221,7 @@ def _segment_outer(a: torch.Tensor, y: torch.Tensor, rowptr: torch.Tensor) -> to
     u = y.new_empty(nodes, p_size, j_size)
     if u.numel() == 0:
         return u
+
     def grid(meta):
         return nodes, triton.cdiv(p_size, meta["BLOCK_P"]), triton.cdiv(j_size, meta["BLOCK_J"])
 
@@ -253,7 +253,8 @@ def _node_sum(zb: torch.Tensor, ub: torch.Tensor, heads: int, hidden: int) -> to
     part = zb.new_empty(shares, heads, width, kh_size)
     _node_sum_kernel[(shares,) + tiles](
         zb, ub, part, nodes, per_share, width, dim_l, hidden, kh_size, heads * hidden, zb.stride(0), ub.stride(0),
-        tiles[0] // heads, BLOCK_N=_SUM_BLOCK_N, BLOCK_R=block_r, BLOCK_C=block_c, PRECISION=_precision(zb.dtype))
+        ub.stride(1), tiles[0] // heads, BLOCK_N=_SUM_BLOCK_N, BLOCK_R=block_r, BLOCK_C=block_c,
+        PRECISION=_precision(zb.dtype))
     return part.sum(0)
 
 
