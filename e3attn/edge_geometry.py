@@ -69,12 +69,13 @@ def edge_geometry(edge_vec: torch.Tensor, first_layer: torch.Tensor, harmonics: 
 def shared_edge_geometry(edge_vec: torch.Tensor, layers: Sequence[torch.nn.Module]) -> List[Geometry]:
     r"""The :func:`edge_geometry` ``(Y, p, r)`` of ``edge_vec [E, 3]`` for each module of ``layers``, computed once:
     the first layers :math:`W_1` of their radial networks side by side, :math:`[p^{(1)} \dots p^{(T)}] =
-    \mathrm{emb}(r)\, [W_1^{(1)} \dots W_1^{(T)}]`, and one set of harmonics, those of the layers that have
-    them (``sh``; the others get them too and ignore them).
+    \mathrm{emb}(r)\, [W_1^{(1)} \dots W_1^{(T)}]`, and one set of harmonics, those of the largest degree among the
+    layers that have them (``sh``): every such layer gets the columns of its own degree (the harmonics are ordered
+    by degree, so those of degree up to :math:`l` are the first :math:`(l + 1)^2` columns); the others get them
+    all and ignore them.
 
     Every module has a ``radial`` network (:class:`~e3attn.radial.RadialMLP`) and an ``embedding``
-    (:class:`~e3attn.radial.RadialEmbedding`); the embeddings must be alike (basis, size, cutoff), and the
-    harmonics of one degree.
+    (:class:`~e3attn.radial.RadialEmbedding`); the embeddings must be alike (basis, size, cutoff).
 
     Example::
 
@@ -96,10 +97,10 @@ def shared_edge_geometry(edge_vec: torch.Tensor, layers: Sequence[torch.nn.Modul
         if (other.basis, other.number_of_basis, other.max_radius) != key:
             raise ValueError(f"layers: every layer must embed the lengths alike to share them, got {embedding} "
                              f"and {other}")
-    if len({sh.lmax for sh in harmonics}) > 1:
-        raise ValueError("layers: the harmonics must be of one degree to share them, got lmax "
-                         f"{[sh.lmax for sh in harmonics]}")
-    harmonic = harmonics[0] if harmonics else SCALARS
+    harmonic = SCALARS  # those of the largest degree (a loop, which torch.compile follows)
+    for sh in harmonics:
+        if harmonic is SCALARS or sh.lmax > harmonic.lmax:
+            harmonic = sh
     first = [layer.radial.input_layer() for layer in layers]
 
     def plain(v: torch.Tensor, w: torch.Tensor) -> Geometry:
@@ -107,4 +108,6 @@ def shared_edge_geometry(edge_vec: torch.Tensor, layers: Sequence[torch.nn.Modul
         return harmonic(v), embedding(r) @ w, r
 
     sh, pre, r = edge_geometry(edge_vec, torch.cat(first, dim=1), harmonic, embedding, plain)
-    return [(sh, p, r) for p in pre.split([w.shape[1] for w in first], dim=1)]
+    degrees = [getattr(layer, "sh", None) for layer in layers]
+    return [(sh if own is None or own.lmax == harmonic.lmax else sh[:, : (own.lmax + 1) ** 2], p, r)
+            for own, p in zip(degrees, pre.split([w.shape[1] for w in first], dim=1))]

@@ -84,7 +84,8 @@ def test_destination_order_is_a_stable_argsort_opaque_to_the_compiler():
 @pytest.mark.parametrize("self_connection", ["identity", "node_attr"])
 def test_model_compiles_as_one_graph(float64_default, self_connection):
     """The models read no e3nn ``Irreps`` in ``forward`` (Dynamo cannot guard on them): the transformer, with its
-    gates, layer norms and neighbour densities, is one graph, with eager's energy and gradients."""
+    gates, layer norms and neighbour densities, is one graph, with eager's energy and gradients (with the
+    self-connection also angular densities of a higher degree than the attention's harmonics)."""
     import torch
 
     from e3attn import radius_graph
@@ -94,7 +95,7 @@ def test_model_compiles_as_one_graph(float64_default, self_connection):
     torch.manual_seed(0)
     model = EquivariantTransformer("2x0e", "4x0e + 2x1o", "1x0e", max_radius=1.5, num_layers=1, num_heads=2, lmax=2,
                                    reduce="sum", density_channels=2, irreps_node_attr="3x0e",
-                                   self_connection=self_connection)
+                                   self_connection=self_connection, density_lmax=3 if self_connection == "node_attr" else 0)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     pos, x, attr = torch.rand(20, 3) * 2, torch.randn(20, 2), torch.eye(3)[torch.randint(0, 3, (20,))]
     edge_index = radius_graph(pos, 1.5)

@@ -11,11 +11,14 @@ from e3attn.models import EquivariantTransformer, NeighbourDensity, energy_and_f
 from kernel_switch import plain
 
 
-def _model(lmax=2, layers=2):
+def _model(lmax=2, layers=2, **options):
     torch.manual_seed(0)
     return EquivariantTransformer("1x0e", "6x0e + 2x1o + 2x2e", "0e", 1.6, num_layers=layers, num_heads=2, lmax=lmax,
                                   irreps_node_attr="2x0e", reduce="sum", density_channels=4, basis="bessel",
-                                  avg_num_neighbors=3.0)
+                                  avg_num_neighbors=3.0, **options)
+
+
+MODELS = [{}, dict(lmax=1, density_lmax=2, density_angular_channels=2)]  # the second: harmonics of two degrees
 
 
 def _inputs(num=9, seed=1, shuffle=False):
@@ -55,7 +58,7 @@ def test_shared_geometry_equals_each_layers_own(kernels_on, float64_default):
 
         def compute():
             shared = shared_edge_geometry(v, layers)
-            own = [edge_geometry(v, m.radial.input_layer(), m.sh if hasattr(m, "sh") else layers[0].sh,
+            own = [edge_geometry(v, m.radial.input_layer(), getattr(m, "sh", None) or layers[0].sh,
                                  m.embedding, m._plain_geometry) for m in layers]
             return shared, own
 
@@ -67,12 +70,13 @@ def test_shared_geometry_equals_each_layers_own(kernels_on, float64_default):
             torch.testing.assert_close(sh, sh2, atol=1e-15, rtol=0)
 
 
+@pytest.mark.parametrize("options", MODELS)
 @pytest.mark.parametrize("kernels_on", [True, False])
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_model_unchanged_by_sharing_the_geometry(kernels_on, shuffle, float64_default, monkeypatch):
+def test_model_unchanged_by_sharing_the_geometry(kernels_on, shuffle, options, float64_default, monkeypatch):
     """Energies, forces, and the gradients of a force loss in every parameter (second derivatives), with the
     geometry shared against every layer's own."""
-    model = _model()
+    model = _model(**options)
     pos, node_attr, edge_index = _inputs(shuffle=shuffle)
 
     def run():
@@ -87,9 +91,10 @@ def test_model_unchanged_by_sharing_the_geometry(kernels_on, shuffle, float64_de
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
 
 
-def test_model_with_frozen_weights_unchanged_by_sharing(float64_default, monkeypatch):
+@pytest.mark.parametrize("options", MODELS)
+def test_model_with_frozen_weights_unchanged_by_sharing(options, float64_default, monkeypatch):
     """The calculator's call (frozen weights: the geometry on the kernels, in one pass for all the blocks)."""
-    model = _model().requires_grad_(False)
+    model = _model(**options).requires_grad_(False)
     pos, node_attr, edge_index = _inputs()
     shared = energy_and_forces(model, pos, node_attr=node_attr, edge_index=edge_index)
     _own(monkeypatch)
@@ -113,12 +118,26 @@ def test_geometry_that_does_not_fit_is_refused(float64_default):
         attention(f, pos, edge_index, geometry=(sh, pre))
     with pytest.raises(ValueError, match="geometry must hold p"):
         density(f, edge_index, edge_vec, (sh, pre, r))  # the attention's first layer, not the density's
-    other = EquivariantAttention("6x0e + 2x1o + 2x2e", "2x0e", "2x0e", "2x0e", 1.6, lmax=1, basis="bessel")
-    with pytest.raises(ValueError, match="harmonics must be of one degree"):
-        shared_edge_geometry(edge_vec, [attention, other])
     with pytest.raises(ValueError, match="embed the lengths alike"):
         shared_edge_geometry(edge_vec, [attention, NeighbourDensity("6x0e", 2, 1.6)])  # smooth_finite basis
     assert shared_edge_geometry(edge_vec, []) == []
+
+
+def test_layers_of_other_degrees_get_their_own_harmonics(float64_default):
+    """Harmonics of several degrees: computed once, of the largest, and every layer gets those of its own degree."""
+    layers = [EquivariantAttention("6x0e + 2x1o", "2x0e", "2x0e", "2x0e", 1.6, lmax=lmax, basis="bessel")
+              for lmax in (1, 3)] + [NeighbourDensity("6x0e", 2, 1.6, basis="bessel", lmax=2),
+                                     NeighbourDensity("6x0e", 2, 1.6, basis="bessel")]
+    edge_vec = torch.randn(11, 3, generator=torch.Generator().manual_seed(2))
+    shared = shared_edge_geometry(edge_vec, layers)
+    for layer, (sh, pre, r) in zip(layers, shared):
+        own_sh, own_pre, own_r = edge_geometry(edge_vec, layer.radial.input_layer(), layer.sh or layers[1].sh,
+                                               layer.embedding, layer._plain_geometry)
+        torch.testing.assert_close(pre, own_pre, atol=1e-13, rtol=0)
+        if layer.sh is not None:
+            assert sh.shape[1] == (layer.sh.lmax + 1) ** 2
+            torch.testing.assert_close(sh, own_sh, atol=1e-13, rtol=0)
+    assert shared[3][0].shape[1] == 16  # a layer without harmonics gets them too, and ignores them
 
 
 def test_geometry_given_to_the_layer_equals_its_own(float64_default):

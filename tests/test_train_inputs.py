@@ -12,7 +12,7 @@ from ase import Atoms  # noqa: E402
 from ase.io import write  # noqa: E402
 
 from e3attn._files import atomic_write  # noqa: E402
-from e3attn.train import cli  # noqa: E402
+from e3attn.train import build_model, cli  # noqa: E402
 from test_train import TINY, frames  # noqa: E402
 
 KEYS = ["--energy-key", "REF_energy", "--forces-key", "REF_forces"]
@@ -172,6 +172,9 @@ def test_an_element_held_out_for_validation_only_is_refused(train_file, tmp_path
 @pytest.mark.parametrize("options, fragment", [
     (["--hidden", "8x0e + 4x1o", "--heads", "3"], "cannot be split into 3 heads"),
     (["--hidden", "4x1o"], "even scalars (0e)"),
+    (["--density", "0", "--density-lmax", "2"], "density_lmax=2 needs density_channels > 0"),
+    (["--density", "4", "--density-lmax", "1", "--density-angular", "5"],
+     "density_angular_channels must be at most density_channels (4)"),
 ])
 def test_model_options_that_build_no_model_are_one_line(train_file, capsys, options, fragment):
     with pytest.raises(SystemExit) as stop:
@@ -216,3 +219,14 @@ def test_a_stress_key_given_but_found_nowhere_is_refused(train_file, capsys):
 def test_the_default_dtype_is_restored_after_a_refusal(train_file, capsys):
     stops(["--train-file", train_file, "--stress-key", "REF_strss", "--dtype", "float64"] + KEYS, capsys, "REF_strss")
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_density_lmax_reaches_the_model(train_file):
+    args = cli.parse_args(["--train-file", str(train_file), "--density-lmax", "2", "--density-angular", "3"])
+    args.avg_num_neighbors = 4.0
+    config = build_model(args, num_species=2).config
+    assert (config["density_lmax"], config["density_angular_channels"], config["density_channels"]) == (2, 3, 32)
+    args = cli.parse_args(["--train-file", str(train_file)])
+    args.avg_num_neighbors = 4.0
+    config = build_model(args, num_species=2).config
+    assert config["density_lmax"] == 0 and config["density_angular_channels"] is None  # off by default

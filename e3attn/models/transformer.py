@@ -40,6 +40,8 @@ class _Block(torch.nn.Module):
         max_radius: float,
         *,
         density_channels: int = 0,
+        density_lmax: int = 0,
+        density_angular_channels: Optional[int] = None,
         avg_num_neighbors: float = 1.0,
         layer_norm: str = "post",
         irreps_skip: Optional[o3.Irreps] = None,
@@ -54,10 +56,11 @@ class _Block(torch.nn.Module):
         if density_channels:
             radial = {k: v for k, v in attention_kwargs.items() if k in ("number_of_basis", "radial_neurons", "basis")}
             self.density = NeighbourDensity(
-                irreps, density_channels, max_radius, avg_num_neighbors=avg_num_neighbors, **radial
+                irreps, density_channels, max_radius, avg_num_neighbors=avg_num_neighbors, lmax=density_lmax,
+                angular_channels=density_angular_channels, **radial
             )
             self.density_mix = torch.nn.Sequential(
-                torch.nn.Linear(density_channels, density_channels),
+                torch.nn.Linear(self.density.num_features, density_channels),
                 torch.nn.SiLU(),
                 IrrepsLinear(f"{density_channels}x0e", self.gate.irreps_in),
             )
@@ -108,7 +111,9 @@ class EquivariantTransformer(torch.nn.Module):
     which is what embedded-atom energies are built from. With ``density_channels`` :math:`K > 0`
     every block adds, next to the attention, :math:`K` learned neighbour densities
     :math:`\rho^{(t)}_i` (:class:`~e3attn.models.NeighbourDensity`, unnormalised cutoff-weighted
-    sums over the neighbours) through a one-hidden-layer MLP into the gate's scalar inputs,
+    sums over the neighbours; with ``density_lmax`` :math:`> 0` also the power spectrum of their angular moments,
+    sums over pairs of neighbours of functions of their bond angles) through a one-hidden-layer MLP into the
+    gate's scalar inputs,
 
     .. math::
 
@@ -161,6 +166,10 @@ class EquivariantTransformer(torch.nn.Module):
         reduce: ``None`` (per-node outputs), ``"sum"`` or ``"mean"`` over each graph of ``batch``
             (a graph index without nodes pools to zeros).
         density_channels: neighbour densities :math:`K` per block (0: none, attention only).
+        density_lmax: largest degree of the densities' angular moments, whose power spectrum (three-body
+            invariants, :class:`~e3attn.models.NeighbourDensity`) joins the densities (0: none; needs
+            ``density_channels``).
+        density_angular_channels: density channels with angular moments (default ``min(8, density_channels)``).
         avg_num_neighbors: normalisation of the density sums (about the mean number of neighbours).
         basis: radial basis of the edge lengths, see :class:`~e3attn.radial.RadialEmbedding`.
         layer_norm: where the equivariant layer norm goes: ``"post"`` (after every block's residual
@@ -201,6 +210,8 @@ class EquivariantTransformer(torch.nn.Module):
         irreps_node_attr: Optional[IrrepsLike] = None,
         reduce: Optional[str] = None,
         density_channels: int = 0,
+        density_lmax: int = 0,
+        density_angular_channels: Optional[int] = None,
         avg_num_neighbors: float = 1.0,
         layer_norm: str = "post",
         basis: str = "smooth_finite",
@@ -224,6 +235,17 @@ class EquivariantTransformer(torch.nn.Module):
             raise ValueError(f"density_channels must be a non-negative int, got {density_channels!r}")
         if not (isinstance(avg_num_neighbors, (int, float)) and avg_num_neighbors > 0):
             raise ValueError(f"avg_num_neighbors must be a positive number, got {avg_num_neighbors!r}")
+        density_lmax = check_int(density_lmax, "density_lmax")
+        if density_lmax and not density_channels:
+            raise ValueError(f"density_lmax={density_lmax} needs density_channels > 0 (the angular moments are "
+                             "those of the density channels)")
+        if not density_lmax:
+            density_angular_channels = None
+        elif density_angular_channels is None:  # the default, kept in the config as its value
+            density_angular_channels = min(8, density_channels)
+        elif check_int(density_angular_channels, "density_angular_channels", 1) > density_channels:
+            raise ValueError(f"density_angular_channels must be at most density_channels ({density_channels}), got "
+                             f"{density_angular_channels}")
         if layer_norm not in LAYER_NORMS:
             raise ValueError(f"layer_norm must be one of {LAYER_NORMS}, got {layer_norm!r}")
         if self_connection not in SELF_CONNECTIONS:
@@ -240,8 +262,9 @@ class EquivariantTransformer(torch.nn.Module):
             _Block(
                 self.irreps_hidden, self.irreps_key, max_radius, num_heads=num_heads, lmax=lmax,
                 number_of_basis=number_of_basis, radial_neurons=radial_neurons, basis=basis,
-                density_channels=density_channels, avg_num_neighbors=avg_num_neighbors, layer_norm=layer_norm,
-                irreps_skip=self.irreps_node_attr if self_connection == "node_attr" else None,
+                density_channels=density_channels, density_lmax=density_lmax,
+                density_angular_channels=density_angular_channels, avg_num_neighbors=avg_num_neighbors,
+                layer_norm=layer_norm, irreps_skip=self.irreps_node_attr if self_connection == "node_attr" else None,
                 input_support=input_support if t == 0 else None,
                 output_support=output_support if t == num_layers - 1 else None,
             )
@@ -254,7 +277,9 @@ class EquivariantTransformer(torch.nn.Module):
             max_radius=self.max_radius, num_layers=num_layers, num_heads=num_heads, lmax=lmax,
             number_of_basis=number_of_basis, radial_neurons=radial_neurons, irreps_key=str(self.irreps_key),
             irreps_node_attr=None if self.irreps_node_attr is None else str(self.irreps_node_attr), reduce=reduce,
-            density_channels=density_channels, avg_num_neighbors=float(avg_num_neighbors), layer_norm=layer_norm,
+            density_channels=density_channels, density_lmax=density_lmax,
+            density_angular_channels=density_angular_channels, avg_num_neighbors=float(avg_num_neighbors),
+            layer_norm=layer_norm,
             basis=basis, self_connection=self_connection,
         )
 

@@ -28,8 +28,9 @@ def build_model(args: argparse.Namespace, num_species: int) -> EquivariantTransf
     return EquivariantTransformer(
         "1x0e", args.hidden, "0e", args.max_radius, num_layers=args.layers, num_heads=args.heads, lmax=args.lmax,
         number_of_basis=args.basis_size, irreps_node_attr=f"{num_species}x0e", reduce="sum",
-        radial_neurons=args.radial_neurons, density_channels=args.density, avg_num_neighbors=args.avg_num_neighbors, layer_norm=args.layer_norm,
-        basis=args.basis, self_connection=args.self_connection,
+        radial_neurons=args.radial_neurons, density_channels=args.density, density_lmax=args.density_lmax,
+        density_angular_channels=args.density_angular, avg_num_neighbors=args.avg_num_neighbors,
+        layer_norm=args.layer_norm, basis=args.basis, self_connection=args.self_connection,
     )
 
 

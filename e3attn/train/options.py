@@ -119,8 +119,8 @@ def _neighbors(value: str):
 
 
 MODEL_DEFAULTS: Dict[str, Any] = dict(max_radius=4.0, hidden="16x0e + 8x1o", layers=1, heads=4, lmax=1, basis_size=10,
-                                      radial_neurons=16, basis="bessel", density=32, layer_norm="post",
-                                      self_connection="identity")
+                                      radial_neurons=16, basis="bessel", density=32, density_lmax=0,
+                                      density_angular=None, layer_norm="post", self_connection="identity")
 """Defaults of :func:`add_model_options`: the EMT example's model (``examples/molecules.py``)."""
 TRAINING_DEFAULTS: Dict[str, Any] = dict(batch_size=8, lr=1e-2, schedule="cosine", force_weight=3.0, energy_weight=1.0,
                                          energy_scale="force_rms", ema=0.0)
@@ -167,6 +167,11 @@ def add_model_options(p: argparse.ArgumentParser, avg_num_neighbors="auto",
                    help=f"radial basis of the edge lengths (default {d['basis']})")
     p.add_argument("--density", type=non_negative_int, default=d["density"], metavar="K",
                    help=f"neighbour-density channels per block (0: attention only; default {d['density']})")
+    p.add_argument("--density-lmax", type=non_negative_int, default=d["density_lmax"], metavar="L",
+                   help="largest degree of the density channels' angular moments, whose power spectrum (bond-angle "
+                        f"terms) joins the densities (0: none; default {d['density_lmax']})")
+    p.add_argument("--density-angular", type=positive_int, default=d["density_angular"], metavar="K",
+                   help="density channels with angular moments, with --density-lmax > 0 (default min(8, --density))")
     p.add_argument("--avg-num-neighbors", type=_neighbors, default=avg_num_neighbors,
                    help="normalisation of the density sums ('auto': the mean number of neighbours within the "
                         "cutoff in the training set)")
