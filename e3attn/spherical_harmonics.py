@@ -14,6 +14,9 @@ from ._jet import closed_forms_apply, plain_gradient, plain_second_derivatives, 
 
 __all__ = ["SphericalHarmonics"]
 
+LMAX = 12
+"""The largest degree: that of e3nn's spherical harmonics, which :class:`SphericalHarmonics` equals."""
+
 _EPS = 1e-12  # the floor of torch.nn.functional.normalize
 
 
@@ -94,7 +97,7 @@ class SphericalHarmonics(Float64ConstantsModule):
     ``torch.func`` and forward-mode AD take the plain formula (as ``e3attn._jet``).
 
     Args:
-        lmax: largest degree.
+        lmax: largest degree, at most 12 (the degrees of e3nn's spherical harmonics).
 
     Shapes:
         ``[..., 3]`` to ``[..., (lmax + 1)^2]``.
@@ -108,6 +111,8 @@ class SphericalHarmonics(Float64ConstantsModule):
     def __init__(self, lmax: int) -> None:
         super().__init__()
         self.lmax = lmax = check_int(lmax, "lmax")
+        if lmax > LMAX:
+            raise ValueError(f"lmax must be at most {LMAX} (the degrees of e3nn's spherical harmonics), got {lmax}")
         gen = torch.Generator().manual_seed(0)
         blocks, parents, variables = [], [], []
         for l in range(lmax + 1):

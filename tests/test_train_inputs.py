@@ -173,6 +173,8 @@ def test_an_element_held_out_for_validation_only_is_refused(train_file, tmp_path
     (["--hidden", "8x0e + 4x1o", "--heads", "3"], "cannot be split into 3 heads"),
     (["--hidden", "4x1o"], "even scalars (0e)"),
     (["--density", "0", "--density-lmax", "2"], "density_lmax=2 needs density_channels > 0"),
+    (["--lmax", "13"], "lmax must be at most 12"),
+    (["--density-lmax", "13"], "lmax must be at most 12"),
     (["--density", "4", "--density-lmax", "1", "--density-angular", "5"],
      "density_angular_channels must be at most density_channels (4)"),
 ])
