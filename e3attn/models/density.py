@@ -16,6 +16,9 @@ from ..spherical_harmonics import SphericalHarmonics
 
 __all__ = ["NeighbourDensity"]
 
+ANGULAR_CHANNELS = 8
+"""The default number of density channels with angular moments (fewer where there are fewer channels)."""
+
 
 class NeighbourDensity(Float64ConstantsModule):
     r"""Learned, species-aware neighbour densities: invariant sums over the edges, not normalised by their number,
@@ -114,7 +117,7 @@ class NeighbourDensity(Float64ConstantsModule):
         if not self.lmax:
             angular_channels = 0  # no moments: ignored
         elif angular_channels is None:
-            angular_channels = min(8, num_channels)
+            angular_channels = min(ANGULAR_CHANNELS, num_channels)
         elif check_int(angular_channels, "angular_channels", 1) > num_channels:
             raise ValueError(f"angular_channels must be at most num_channels ({num_channels}), got {angular_channels}")
         self.angular_channels = int(angular_channels)

@@ -17,7 +17,7 @@ from ..heads import split_heads
 from ..linear import IrrepsLinear
 from ..scatter import scatter_sum
 from .gate import Gate
-from .density import NeighbourDensity
+from .density import ANGULAR_CHANNELS, NeighbourDensity
 from .norm import EquivariantLayerNorm
 
 __all__ = ["EquivariantTransformer"]
@@ -242,7 +242,7 @@ class EquivariantTransformer(torch.nn.Module):
         if not density_lmax:
             density_angular_channels = None
         elif density_angular_channels is None:  # the default, kept in the config as its value
-            density_angular_channels = min(8, density_channels)
+            density_angular_channels = min(ANGULAR_CHANNELS, density_channels)
         elif check_int(density_angular_channels, "density_angular_channels", 1) > density_channels:
             raise ValueError(f"density_angular_channels must be at most density_channels ({density_channels}), got "
                              f"{density_angular_channels}")
