@@ -28,7 +28,7 @@ from .linear import IrrepsLinear
 from .node_contraction import NodeContraction
 from .radial import RadialEmbedding, RadialMLP, log_soft_unit_step
 from .scatter import gather_rows, scatter_sum, segment_softmax
-from .spherical_harmonics import SphericalHarmonics
+from .spherical_harmonics import SphericalHarmonics, check_degree
 from .tensor_product import SphericalTensorProduct
 
 __all__ = ["EquivariantAttention"]
@@ -147,7 +147,7 @@ class EquivariantAttention(torch.nn.Module):
         self.irreps_query = as_irreps(irreps_query, "irreps_query")
         self.irreps_key = as_irreps(irreps_key, "irreps_key")
         self.irreps_output = as_irreps(irreps_output, "irreps_output")
-        lmax = check_int(lmax, "lmax")
+        lmax = check_degree(lmax, "lmax")
         num_heads = check_int(num_heads, "num_heads", 1)
         if aggregation not in self.AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {self.AGGREGATIONS}, got {aggregation!r}")

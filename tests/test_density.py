@@ -105,7 +105,7 @@ def test_density_grows_with_the_number_of_neighbours():
 
 @pytest.mark.parametrize("lmax", [0, 2])
 def test_density_o3_invariant(lmax):
-    density = make_density(lmax=lmax, angular_channels=3)
+    density = make_density(lmax=lmax, angular_channels=3 if lmax else None)
     pos, f = cluster()
     err = assert_equivariant(
         lambda pos, f: density_of(density, pos, f), [pos, f], ["cartesian_points", IRREPS],
@@ -131,6 +131,12 @@ def test_density_smooth_at_the_cutoff(lmax):
         ((IRREPS, 4, 1.0), dict(lmax=-1), "lmax must be"),
         ((IRREPS, 4, 1.0), dict(lmax=2, angular_channels=5), "angular_channels must be at most num_channels"),
         ((IRREPS, 4, 1.0), dict(lmax=2, angular_channels=0), "angular_channels must be"),
+        ((IRREPS, 4, 1.0), dict(lmax=13), "lmax must be at most 12"),
+        # checked before anything is sized by it (a huge degree would allocate first)
+        ((IRREPS, 4, 1.0), dict(lmax=10**9), "lmax must be at most 12"),
+        ((IRREPS, 4, 1.0), dict(angular_channels=2), r"angular_channels=2 needs lmax > 0"),
+        ((IRREPS, 4, 1.0), dict(angular_channels=-7), "angular_channels must be a positive integer"),
+        ((IRREPS, 4, 1.0), dict(angular_channels="x"), "angular_channels must be a positive integer"),
     ],
 )
 def test_density_rejects_bad_configuration(args, kwargs, match):
@@ -303,6 +309,11 @@ def test_options_checkpoint_round_trip(tmp_path, options):
         (dict(density_channels=2, density_lmax=1, density_angular_channels=3),
          "density_angular_channels must be at most density_channels"),
         (dict(density_channels=2, density_lmax=1, density_angular_channels=0), "density_angular_channels must be"),
+        (dict(density_channels=2, density_angular_channels=2), "density_angular_channels=2 needs density_lmax > 0"),
+        (dict(density_channels=2, density_angular_channels="x"), "density_angular_channels must be a positive"),
+        (dict(density_channels=2, density_lmax=13), "density_lmax must be at most 12"),
+        (dict(density_channels=2, density_lmax=10**9), "density_lmax must be at most 12"),
+        (dict(lmax=10**9), "lmax must be at most 12"),
     ],
 )
 def test_transformer_rejects_bad_options(kwargs, match):

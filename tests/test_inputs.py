@@ -243,6 +243,8 @@ def test_moderate_temperatures_unchanged():
         (lambda: cutoff_weight(torch.ones(2), True), "max_radius must be a positive finite number"),
         (lambda: SphericalHarmonics(True), "lmax must be a non-negative integer"),
         (lambda: SphericalHarmonics(13), "lmax must be at most 12 \\(the degrees of e3nn's spherical harmonics\\), got 13"),
+        # refused before anything is sized by the degree (the harmonics' irreps would be built first)
+        (lambda: make_layer(lmax=10**9), "lmax must be at most 12"),
         (lambda: EquivariantLayerNorm("2x0e", eps=True), "eps must be a positive finite number"),
         (lambda: sparsify(torch.tensor([[0], [1]]), torch.ones(1), top_k=True), "top_k must be a non-negative"),
         (lambda: attention_centrality(torch.tensor([[0], [1]]), torch.ones(1), 2, max_iter=True), "max_iter must be"),

@@ -174,7 +174,10 @@ def test_an_element_held_out_for_validation_only_is_refused(train_file, tmp_path
     (["--hidden", "4x1o"], "even scalars (0e)"),
     (["--density", "0", "--density-lmax", "2"], "density_lmax=2 needs density_channels > 0"),
     (["--lmax", "13"], "lmax must be at most 12"),
-    (["--density-lmax", "13"], "lmax must be at most 12"),
+    (["--lmax", "100000000"], "lmax must be at most 12"),  # refused before anything is sized by it
+    (["--density-lmax", "13"], "density_lmax must be at most 12"),
+    (["--density-lmax", "100000000"], "density_lmax must be at most 12"),
+    (["--density-angular", "5"], "density_angular_channels=5 needs density_lmax > 0"),
     (["--density", "4", "--density-lmax", "1", "--density-angular", "5"],
      "density_angular_channels must be at most density_channels (4)"),
 ])

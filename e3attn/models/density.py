@@ -12,7 +12,7 @@ from ..edge_geometry import SCALARS, Geometry, edge_geometry
 from ..linear import IrrepsLinear
 from ..radial import RadialEmbedding, RadialMLP, cutoff_weight
 from ..scatter import scatter_sum
-from ..spherical_harmonics import SphericalHarmonics
+from ..spherical_harmonics import SphericalHarmonics, check_degree
 
 __all__ = ["NeighbourDensity"]
 
@@ -43,7 +43,8 @@ class NeighbourDensity(Float64ConstantsModule):
     With ``lmax`` :math:`L \ge 1`, the first :math:`K_a` (``angular_channels``) channels also take the moments of
     degree :math:`1 \le l \le L` of the same sums, with the spherical harmonics :math:`Y^l` of the edges
     (``"component"`` normalisation) and radial functions of their own, and return their power spectrum, the
-    rotation-invariant norm of every moment:
+    rotation-invariant squared norm of every moment over its :math:`2l + 1` components (no square root: smooth
+    where a moment vanishes):
 
     .. math::
 
@@ -71,8 +72,8 @@ class NeighbourDensity(Float64ConstantsModule):
         basis: radial basis, see :class:`~e3attn.radial.RadialEmbedding`.
         avg_num_neighbors: :math:`\nu`, the sums' normalisation.
         lmax: largest degree :math:`L` of the angular moments (0: the densities alone).
-        angular_channels: channels :math:`K_a \le` ``num_channels`` with angular moments (default 8 or
-            ``num_channels`` if fewer); ignored when ``lmax`` is 0.
+        angular_channels: channels :math:`K_a \le` ``num_channels`` with angular moments (default
+            ``ANGULAR_CHANNELS``, 8, or ``num_channels`` if fewer); only with ``lmax`` :math:`> 0`.
 
     Shapes:
         ``f [N, irreps_in.dim]``, ``edge_index [2, E]``, ``edge_vec [E, 3]`` to ``[N, num_features]``,
@@ -106,7 +107,7 @@ class NeighbourDensity(Float64ConstantsModule):
     ) -> None:
         super().__init__()
         self.irreps_in = as_irreps(irreps_in, "irreps_in")
-        self.lmax = check_int(lmax, "lmax")
+        self.lmax = check_degree(lmax, "lmax")
         if isinstance(num_channels, bool) or not isinstance(num_channels, int) or num_channels < 1:
             raise ValueError(f"num_channels must be a positive int, got {num_channels!r}")
         if self.irreps_in.count("0e") == 0:
@@ -114,12 +115,16 @@ class NeighbourDensity(Float64ConstantsModule):
         if not (isinstance(avg_num_neighbors, (int, float)) and avg_num_neighbors > 0):
             raise ValueError(f"avg_num_neighbors must be a positive number, got {avg_num_neighbors!r}")
         self.num_channels = num_channels
-        if not self.lmax:
-            angular_channels = 0  # no moments: ignored
-        elif angular_channels is None:
+        if angular_channels is not None:
+            if check_int(angular_channels, "angular_channels", 1) > num_channels:
+                raise ValueError(f"angular_channels must be at most num_channels ({num_channels}), got "
+                                 f"{angular_channels}")
+            if not self.lmax:
+                raise ValueError(f"angular_channels={angular_channels} needs lmax > 0 (the angular moments' degrees)")
+        elif self.lmax:
             angular_channels = min(ANGULAR_CHANNELS, num_channels)
-        elif check_int(angular_channels, "angular_channels", 1) > num_channels:
-            raise ValueError(f"angular_channels must be at most num_channels ({num_channels}), got {angular_channels}")
+        else:
+            angular_channels = 0  # no moments
         self.angular_channels = int(angular_channels)
         self.num_features = num_channels + self.angular_channels * self.lmax
         self.avg_num_neighbors = float(avg_num_neighbors)

@@ -16,6 +16,7 @@ from ..graph import radius_graph
 from ..heads import split_heads
 from ..linear import IrrepsLinear
 from ..scatter import scatter_sum
+from ..spherical_harmonics import check_degree
 from .gate import Gate
 from .density import ANGULAR_CHANNELS, NeighbourDensity
 from .norm import EquivariantLayerNorm
@@ -169,7 +170,8 @@ class EquivariantTransformer(torch.nn.Module):
         density_lmax: largest degree of the densities' angular moments, whose power spectrum (three-body
             invariants, :class:`~e3attn.models.NeighbourDensity`) joins the densities (0: none; needs
             ``density_channels``).
-        density_angular_channels: density channels with angular moments (default ``min(8, density_channels)``).
+        density_angular_channels: density channels with angular moments (default ``min(8, density_channels)``,
+            8 being ``e3attn.models.density.ANGULAR_CHANNELS``); only with ``density_lmax`` :math:`> 0`.
         avg_num_neighbors: normalisation of the density sums (about the mean number of neighbours).
         basis: radial basis of the edge lengths, see :class:`~e3attn.radial.RadialEmbedding`.
         layer_norm: where the equivariant layer norm goes: ``"post"`` (after every block's residual
@@ -227,7 +229,7 @@ class EquivariantTransformer(torch.nn.Module):
         self._x = (self.irreps_in.dim, str(self.irreps_in), all(ir == o3.Irrep("0e") for _, ir in self.irreps_in))
         self._attr = None if self.irreps_node_attr is None else (self.irreps_node_attr.dim, str(self.irreps_node_attr))
         num_layers, num_heads = check_int(num_layers, "num_layers", 1), check_int(num_heads, "num_heads", 1)
-        lmax, number_of_basis = check_int(lmax, "lmax"), check_int(number_of_basis, "number_of_basis", 1)
+        lmax, number_of_basis = check_degree(lmax, "lmax"), check_int(number_of_basis, "number_of_basis", 1)
         radial_neurons = check_int(radial_neurons, "radial_neurons", 1)
         if reduce not in REDUCTIONS:
             raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
@@ -235,17 +237,19 @@ class EquivariantTransformer(torch.nn.Module):
             raise ValueError(f"density_channels must be a non-negative int, got {density_channels!r}")
         if not (isinstance(avg_num_neighbors, (int, float)) and avg_num_neighbors > 0):
             raise ValueError(f"avg_num_neighbors must be a positive number, got {avg_num_neighbors!r}")
-        density_lmax = check_int(density_lmax, "density_lmax")
+        density_lmax = check_degree(density_lmax, "density_lmax")
         if density_lmax and not density_channels:
             raise ValueError(f"density_lmax={density_lmax} needs density_channels > 0 (the angular moments are "
                              "those of the density channels)")
-        if not density_lmax:
-            density_angular_channels = None
-        elif density_angular_channels is None:  # the default, kept in the config as its value
+        if density_angular_channels is not None:
+            if check_int(density_angular_channels, "density_angular_channels", 1) > density_channels:
+                raise ValueError(f"density_angular_channels must be at most density_channels ({density_channels}), "
+                                 f"got {density_angular_channels}")
+            if not density_lmax:
+                raise ValueError(f"density_angular_channels={density_angular_channels} needs density_lmax > 0 (the "
+                                 "angular moments' degrees)")
+        elif density_lmax:  # the default, kept in the config as its value
             density_angular_channels = min(ANGULAR_CHANNELS, density_channels)
-        elif check_int(density_angular_channels, "density_angular_channels", 1) > density_channels:
-            raise ValueError(f"density_angular_channels must be at most density_channels ({density_channels}), got "
-                             f"{density_angular_channels}")
         if layer_norm not in LAYER_NORMS:
             raise ValueError(f"layer_norm must be one of {LAYER_NORMS}, got {layer_norm!r}")
         if self_connection not in SELF_CONNECTIONS:

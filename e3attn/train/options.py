@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, Mapping, NoReturn, Optional
 import torch
 
 from .._checks import device_present
+from ..models.density import ANGULAR_CHANNELS
 from ..models.transformer import LAYER_NORMS, SELF_CONNECTIONS
 
 __all__ = [
@@ -171,7 +172,8 @@ def add_model_options(p: argparse.ArgumentParser, avg_num_neighbors="auto",
                    help="largest degree of the density channels' angular moments, whose power spectrum (bond-angle "
                         f"terms) joins the densities (0: none; default {d['density_lmax']})")
     p.add_argument("--density-angular", type=positive_int, default=d["density_angular"], metavar="K",
-                   help="density channels with angular moments, with --density-lmax > 0 (default min(8, --density))")
+                   help="density channels with angular moments, only with --density-lmax > 0 (default "
+                        + (f"{d['density_angular']})" if d["density_angular"] else f"min({ANGULAR_CHANNELS}, --density))"))
     p.add_argument("--avg-num-neighbors", type=_neighbors, default=avg_num_neighbors,
                    help="normalisation of the density sums ('auto': the mean number of neighbours within the "
                         "cutoff in the training set)")
