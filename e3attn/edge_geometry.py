@@ -108,6 +108,9 @@ def shared_edge_geometry(edge_vec: torch.Tensor, layers: Sequence[torch.nn.Modul
         return harmonic(v), embedding(r) @ w, r
 
     sh, pre, r = edge_geometry(edge_vec, torch.cat(first, dim=1), harmonic, embedding, plain)
-    degrees = [getattr(layer, "sh", None) for layer in layers]
-    return [(sh if own is None or own.lmax == harmonic.lmax else sh[:, : (own.lmax + 1) ** 2], p, r)
-            for own, p in zip(degrees, pre.split([w.shape[1] for w in first], dim=1))]
+    columns = {harmonic.lmax: sh}  # per degree, contiguous (copied once here, not by every kernel call that reads it)
+    for own in (getattr(layer, "sh", None) for layer in layers):
+        if own is not None and own.lmax not in columns:
+            columns[own.lmax] = sh[:, : (own.lmax + 1) ** 2].contiguous()
+    return [(columns[layer.sh.lmax] if getattr(layer, "sh", None) is not None else sh, p, r)
+            for layer, p in zip(layers, pre.split([w.shape[1] for w in first], dim=1))]

@@ -223,8 +223,10 @@ def test_angular_density_enters_the_energy_and_forces():
     for block in model.layers:
         power = block.density_mix[0].weight.grad[:, 4:]  # the mix's weights of the power spectrum's inputs
         assert power.shape == (4, 4) and power.abs().min() > 0
-    default = make_model(density_channels=12, density_lmax=1)
-    assert default.config["density_angular_channels"] == 8 and default.layers[0].density.num_features == 20
+    default = make_model(density_channels=20, density_lmax=1)
+    assert default.config["density_angular_channels"] == 16 and default.layers[0].density.num_features == 36
+    fewer = make_model(density_channels=12, density_lmax=1)  # as many as there are channels
+    assert fewer.config["density_angular_channels"] == 12 and fewer.layers[0].density.num_features == 24
 
 
 @pytest.mark.parametrize("num_nodes", [0, 1])

@@ -177,7 +177,8 @@ def test_an_element_held_out_for_validation_only_is_refused(train_file, tmp_path
     (["--lmax", "100000000"], "lmax must be at most 12"),  # refused before anything is sized by it
     (["--density-lmax", "13"], "density_lmax must be at most 12"),
     (["--density-lmax", "100000000"], "density_lmax must be at most 12"),
-    (["--density-angular", "5"], "density_angular_channels=5 needs density_lmax > 0"),
+    (["--density-lmax", "0", "--density-angular", "5"], "density_angular_channels=5 needs density_lmax > 0"),
+    (["--density-lmax", "2", "--density", "0"], "density_lmax=2 needs density_channels > 0"),  # either order
     (["--density", "4", "--density-lmax", "1", "--density-angular", "5"],
      "density_angular_channels must be at most density_channels (4)"),
 ])
@@ -187,6 +188,19 @@ def test_model_options_that_build_no_model_are_one_line(train_file, capsys, opti
     err = capsys.readouterr().err
     assert stop.value.code == 2 and len(err.strip().splitlines()) == 1
     assert "the model options (--hidden, --heads, --lmax, --density, ...) do not build a model" in err and fragment in err
+
+
+def test_no_density_channels_turn_the_default_angular_moments_off(train_file, tmp_path):
+    """The command's default angular moments (--density-lmax 3) belong to the density channels: --density 0
+    leaves neither (given on the command line or in the config), where an explicit --density-lmax is refused."""
+    args = cli.parse_args(["--train-file", str(train_file), "--density", "0"])
+    assert args.density == 0 and args.density_lmax == 0
+    args.avg_num_neighbors = 1.0  # "auto": the training set's, by now
+    model = build_model(args, num_species=2)
+    assert model.config["density_channels"] == 0 and model.config["density_lmax"] == 0
+    config = tmp_path / "train.yaml"
+    config.write_text(f"train_file: {train_file}\ndensity: 0\n")
+    assert cli.parse_args(["--config", str(config)]).density_lmax == 0
 
 
 def test_the_command_line_choice_of_validation_wins_over_the_config(train_file, tmp_path):
@@ -234,4 +248,4 @@ def test_density_lmax_reaches_the_model(train_file):
     args = cli.parse_args(["--train-file", str(train_file)])
     args.avg_num_neighbors = 4.0
     config = build_model(args, num_species=2).config
-    assert config["density_lmax"] == 0 and config["density_angular_channels"] is None  # off by default
+    assert config["density_lmax"] == 3 and config["density_angular_channels"] == 16  # the command's defaults

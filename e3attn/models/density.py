@@ -16,7 +16,7 @@ from ..spherical_harmonics import SphericalHarmonics, check_degree
 
 __all__ = ["NeighbourDensity"]
 
-ANGULAR_CHANNELS = 8
+ANGULAR_CHANNELS = 16
 """The default number of density channels with angular moments (fewer where there are fewer channels)."""
 
 
@@ -73,7 +73,7 @@ class NeighbourDensity(Float64ConstantsModule):
         avg_num_neighbors: :math:`\nu`, the sums' normalisation.
         lmax: largest degree :math:`L` of the angular moments (0: the densities alone).
         angular_channels: channels :math:`K_a \le` ``num_channels`` with angular moments (default
-            ``ANGULAR_CHANNELS``, 8, or ``num_channels`` if fewer); only with ``lmax`` :math:`> 0`.
+            ``ANGULAR_CHANNELS``, 16, or ``num_channels`` if fewer); only with ``lmax`` :math:`> 0`.
 
     Shapes:
         ``f [N, irreps_in.dim]``, ``edge_index [2, E]``, ``edge_vec [E, 3]`` to ``[N, num_features]``,
@@ -180,11 +180,13 @@ class NeighbourDensity(Float64ConstantsModule):
         if self.lmax == 0:
             return rho
         channels, components = self.angular_channels, self._degree.shape[0]
-        a = weight[:, k:].view(-1, channels, self.lmax) * source[:, :channels, None]  # [E, K_a, lmax]
-        terms = a.index_select(2, self._degree) * y[:, None, 1 : components + 1]  # [E, K_a, (lmax + 1)^2 - 1]
-        moments = scatter_sum(terms.reshape(-1, channels * components), dst, num_nodes).view(-1, channels, components)
-        power = moments.pow(2) @ self.constant("mean", moments.dtype)  # [N, K_a, lmax]
-        return torch.cat([rho, power.reshape(num_nodes, channels * self.lmax)], dim=1)
+        # components before channels: the gathers and products run on rows of K_a contiguous numbers (about a
+        # third faster, with the derivatives, than with the components last)
+        a = weight[:, k:].view(-1, channels, self.lmax).transpose(1, 2) * source[:, None, :channels]  # [E, lmax, K_a]
+        terms = a.index_select(1, self._degree) * y[:, 1 : components + 1, None]  # [E, (lmax + 1)^2 - 1, K_a]
+        moments = scatter_sum(terms.reshape(-1, components * channels), dst, num_nodes).view(-1, components, channels)
+        power = torch.matmul(self.constant("mean", moments.dtype).T, moments.pow(2))  # [N, lmax, K_a]
+        return torch.cat([rho, power.transpose(1, 2).reshape(num_nodes, channels * self.lmax)], dim=1)
 
     def _plain_geometry(self, edge_vec: torch.Tensor, first_layer: torch.Tensor):
         """What :func:`~e3attn.edge_geometry.edge_geometry` computes, in PyTorch operations: the harmonics up to

@@ -170,8 +170,8 @@ class EquivariantTransformer(torch.nn.Module):
         density_lmax: largest degree of the densities' angular moments, whose power spectrum (three-body
             invariants, :class:`~e3attn.models.NeighbourDensity`) joins the densities (0: none; needs
             ``density_channels``).
-        density_angular_channels: density channels with angular moments (default ``min(8, density_channels)``,
-            8 being ``e3attn.models.density.ANGULAR_CHANNELS``); only with ``density_lmax`` :math:`> 0`.
+        density_angular_channels: density channels with angular moments (default ``min(16, density_channels)``,
+            16 being ``e3attn.models.density.ANGULAR_CHANNELS``); only with ``density_lmax`` :math:`> 0`.
         avg_num_neighbors: normalisation of the density sums (about the mean number of neighbours).
         basis: radial basis of the edge lengths, see :class:`~e3attn.radial.RadialEmbedding`.
         layer_norm: where the equivariant layer norm goes: ``"post"`` (after every block's residual

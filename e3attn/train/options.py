@@ -98,6 +98,20 @@ non_negative_float = _number(float, lambda x: 0 <= x < float("inf"), "a non-nega
 fraction = _number(float, lambda x: 0 <= x < 1, "a number in [0, 1)")
 
 
+class _Default(int):
+    """A default of an integer option, told apart from the same number given on the command line."""
+
+
+class _DensityAction(argparse.Action):
+    """``--density``: with 0 (no density channels) also no angular moments, where ``--density-lmax`` keeps its
+    default (given, it stays, and a model of it is refused)."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        setattr(namespace, self.dest, value)
+        if value == 0 and isinstance(getattr(namespace, "density_lmax", None), _Default):
+            namespace.density_lmax = _Default(0)
+
+
 def irreps(value: str) -> str:
     """argparse type: e3nn irreps such as ``16x0e + 8x1o`` (returned as given).
 
@@ -166,9 +180,10 @@ def add_model_options(p: argparse.ArgumentParser, avg_num_neighbors="auto",
                    help=f"hidden size of the radial MLPs (default {d['radial_neurons']})")
     p.add_argument("--basis", choices=("smooth_finite", "gaussian", "bessel"), default=d["basis"],
                    help=f"radial basis of the edge lengths (default {d['basis']})")
-    p.add_argument("--density", type=non_negative_int, default=d["density"], metavar="K",
-                   help=f"neighbour-density channels per block (0: attention only; default {d['density']})")
-    p.add_argument("--density-lmax", type=non_negative_int, default=d["density_lmax"], metavar="L",
+    p.add_argument("--density", type=non_negative_int, default=d["density"], metavar="K", action=_DensityAction,
+                   help=f"neighbour-density channels per block (0: attention only, and no angular moments unless "
+                        f"--density-lmax is given; default {d['density']})")
+    p.add_argument("--density-lmax", type=non_negative_int, default=_Default(d["density_lmax"]), metavar="L",
                    help="largest degree of the density channels' angular moments, whose power spectrum (bond-angle "
                         f"terms) joins the densities (0: none; default {d['density_lmax']})")
     p.add_argument("--density-angular", type=positive_int, default=d["density_angular"], metavar="K",
