@@ -15,16 +15,16 @@ from ._jet import closed_forms_apply, plain_gradient, plain_second_derivatives, 
 __all__ = ["SphericalHarmonics"]
 
 LMAX = 12
+"""The largest degree: that of e3nn's spherical harmonics, which :class:`SphericalHarmonics` equals."""
 
 
 def check_degree(value, name: str) -> int:
-    """``value``, a degree of spherical harmonics (an integer from 0 to :data:`LMAX`), as a Python ``int``; a
+    """``value``, a degree of spherical harmonics (an integer from 0 to ``LMAX``, 12), as a Python ``int``; a
     ``ValueError`` naming ``name`` otherwise (checked before anything is sized by it)."""
     degree = check_int(value, name)
     if degree > LMAX:
         raise ValueError(f"{name} must be at most {LMAX} (the degrees of e3nn's spherical harmonics), got {degree}")
     return degree
-"""The largest degree: that of e3nn's spherical harmonics, which :class:`SphericalHarmonics` equals."""
 
 _EPS = 1e-12  # the floor of torch.nn.functional.normalize
 

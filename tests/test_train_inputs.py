@@ -201,6 +201,10 @@ def test_no_density_channels_turn_the_default_angular_moments_off(train_file, tm
     config = tmp_path / "train.yaml"
     config.write_text(f"train_file: {train_file}\ndensity: 0\n")
     assert cli.parse_args(["--config", str(config)]).density_lmax == 0
+    # channels again (the command line wins over the config): the default moments again, as plain numbers
+    for args in (cli.parse_args(["--config", str(config), "--density", "32"]),
+                 cli.parse_args(["--train-file", str(train_file), "--density", "0", "--density", "32"])):
+        assert (args.density, args.density_lmax) == (32, 3) and type(args.density_lmax) is int
 
 
 def test_the_command_line_choice_of_validation_wins_over_the_config(train_file, tmp_path):

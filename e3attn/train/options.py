@@ -43,6 +43,13 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        for name, value in vars(namespace).items():  # defaults told apart while parsing: plain numbers after
+            if type(value) is _Default:
+                setattr(namespace, name, int(value))
+        return namespace, extras
+
 
 def fail(message: str, prog: Optional[str] = None) -> NoReturn:
     """Stop with one line on stderr (``<prog>: error: <message>``, default: the script's name) and exit status 2.
@@ -103,13 +110,17 @@ class _Default(int):
 
 
 class _DensityAction(argparse.Action):
-    """``--density``: with 0 (no density channels) also no angular moments, where ``--density-lmax`` keeps its
-    default (given, it stays, and a model of it is refused)."""
+    """``--density``: with 0 (no density channels) also no angular moments, with another number the default
+    degree again, where ``--density-lmax`` keeps its default (given, it stays, and a model of it is refused)."""
+
+    def __init__(self, *args, lmax_default: int = 0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.lmax_default = lmax_default
 
     def __call__(self, parser, namespace, value, option_string=None):
         setattr(namespace, self.dest, value)
-        if value == 0 and isinstance(getattr(namespace, "density_lmax", None), _Default):
-            namespace.density_lmax = _Default(0)
+        if isinstance(getattr(namespace, "density_lmax", None), _Default):
+            namespace.density_lmax = _Default(self.lmax_default if value else 0)
 
 
 def irreps(value: str) -> str:
@@ -181,6 +192,7 @@ def add_model_options(p: argparse.ArgumentParser, avg_num_neighbors="auto",
     p.add_argument("--basis", choices=("smooth_finite", "gaussian", "bessel"), default=d["basis"],
                    help=f"radial basis of the edge lengths (default {d['basis']})")
     p.add_argument("--density", type=non_negative_int, default=d["density"], metavar="K", action=_DensityAction,
+                   lmax_default=d["density_lmax"],
                    help=f"neighbour-density channels per block (0: attention only, and no angular moments unless "
                         f"--density-lmax is given; default {d['density']})")
     p.add_argument("--density-lmax", type=non_negative_int, default=_Default(d["density_lmax"]), metavar="L",
