@@ -56,8 +56,8 @@ class NeighbourDensity(Float64ConstantsModule):
     theorem): a sum over pairs of neighbours of a function of their bond angle, the three-body descriptor of
     SOAP and of ACE's products, learned per channel. The output is :math:`[\rho_i, P_i]`, ``num_channels +
     angular_channels * lmax`` invariants per node; ``lmax=0`` is the density alone. The moments are formed on
-    the edges (``[E, K_a, (L + 1)^2 - 1]``), so their cost grows with :math:`K_a`; a few channels carry the
-    angles.
+    the edges (``[E, (L + 1)^2 - 1, K_a]``, channels last), so their cost grows with :math:`K_a`; a few channels
+    carry the angles.
 
     Every term is invariant (lengths, scalars and norms of the moments), so the output is O(3)-invariant;
     :math:`c`, the embedding and hence every edge's contribution vanish smoothly at the cutoff, so it is smooth
