@@ -111,6 +111,7 @@ def run_mace(python: Path, name: str, data: Path, setting: str, budget: float, t
     """Train MACE ``setting`` on ``<data>/<name>_train.xyz`` within ``budget`` seconds (or ``epochs``), evaluate it
     on ``_test.xyz``; returns the row of the accuracy table, with the commands that were run."""
     bin_dir = Path(python).parent
+    data = Path(data).resolve()  # MACE runs in folders of its own
     train_file, test_file = data / f"{name}_train.xyz", data / f"{name}_test.xyz"
     row: dict = {"molecule": name, "model": f"mace-{setting}", "commands": []}
     if epochs is None:

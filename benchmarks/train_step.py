@@ -1,19 +1,25 @@
-r"""Training speed: the time of one force-training step of the training command's model, with the edge geometry
-computed once for all the blocks (``e3attn.edge_geometry.shared_edge_geometry``, today) and by every layer for
-itself (before), and the time of one energy + forces call of the same model with frozen weights (as the
-calculator calls it).
+r"""Training speed: the time of one force-training step of the training command's model, and of one energy + forces
+call of the same model with frozen weights (as the calculator calls it), today and with one part as it was before
+(``--baseline``):
+
+* ``geometry`` (the default): the edge geometry computed by every layer for itself instead of once for all the
+  blocks (``e3attn.edge_geometry.shared_edge_geometry``);
+* ``moments``: the angular densities' moments in PyTorch operations on every edge's terms instead of on their
+  kernel (``e3attn.kernels.moments_ops``);
+* ``adam``: PyTorch's Adam with its loop over the parameters instead of fused (``e3attn.train.adam``).
 
 The model is that of ``e3attn-train`` with its defaults (``--`` passes other model options, e.g. ``-- --heads 4``);
 the batches hold ``--batch-size`` copies of an ASE molecule (``--molecule``, default ethanol) with random
 displacements of 0.1 Å and random labels (the time does not depend on them). A step is what
 ``e3attn.train.fit`` does per batch: energies and forces with ``create_graph``, the loss, its backward and an
 Adam step. The two settings run in turns, ``--steps`` steps at a time, ``--repeats`` times; the table gives the
-medians of the per-step times and their ratio (per-layer over shared: the speed-up).
+medians of the per-step times and their ratio (before over today: the speed-up).
 
 Example::
 
     python benchmarks/train_step.py --threads 1
     python benchmarks/train_step.py --threads 1 --molecule CH3COOH -- --layers 3
+    python benchmarks/train_step.py --threads 1 --baseline moments
 """
 from __future__ import annotations
 
@@ -41,22 +47,29 @@ from e3attn.models import energy_and_forces  # noqa: E402
 from e3attn.train import cli, collate, to_sample  # noqa: E402
 from e3attn.train import options as opt  # noqa: E402
 from e3attn.train.data import mean_neighbors  # noqa: E402
+from e3attn.models.density import NeighbourDensity  # noqa: E402
+from e3attn.train.loop import adam  # noqa: E402
 from e3attn.train.model import build_model, check_model_options, loss_fn, predict  # noqa: E402
 
-SETTINGS = ("per-layer", "shared")
+BASELINES = {"geometry": ("per-layer", "shared"), "moments": ("plain moments", "moments kernel"),
+             "adam": ("Adam loop", "fused Adam")}
+"""The two settings that each ``--baseline`` compares: before, today."""
 
 
 @contextlib.contextmanager
-def geometry(setting: str):
-    """``"shared"``: the model as it is; ``"per-layer"``: every attention layer and density channel computes its
-    own edge geometry from the edge vectors, as before it was shared."""
-    shared = transformer.shared_edge_geometry
-    if setting == "per-layer":
+def setting(name: str):
+    """The model as it is, or with the part that setting ``name`` names as it was before: every attention layer
+    and density channel computing its own edge geometry, or the moments in PyTorch operations. (The optimizer,
+    ``"Adam loop"``, is chosen by the caller.)"""
+    shared, moments = transformer.shared_edge_geometry, NeighbourDensity._moments
+    if name == "per-layer":
         transformer.shared_edge_geometry = lambda edge_vec, layers: [None] * len(layers)
+    if name == "plain moments":
+        NeighbourDensity._moments = NeighbourDensity._plain_moments
     try:
         yield
     finally:
-        transformer.shared_edge_geometry = shared
+        transformer.shared_edge_geometry, NeighbourDensity._moments = shared, moments
 
 
 def batches(name: str, batch_size: int, count: int, max_radius: float, seed: int = 0):
@@ -88,6 +101,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = opt.ArgumentParser(__doc__.split("\n\n")[0])
     p.add_argument("--molecule", default="CH3CH2OH", help="an ASE molecule name (default CH3CH2OH, ethanol)")
     p.add_argument("--batch-size", type=opt.positive_int, default=cli.TRAINING_DEFAULTS["batch_size"])
+    p.add_argument("--baseline", choices=sorted(BASELINES), default="geometry",
+                   help="the part timed as it was before (default geometry: the edge geometry per layer)")
     p.add_argument("--threads", type=opt.positive_int, default=1)
     p.add_argument("--steps", type=opt.positive_int, default=10, help="steps per turn")
     p.add_argument("--repeats", type=opt.positive_int, default=5, help="turns of each setting")
@@ -129,12 +144,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         args.model.avg_num_neighbors = mean_neighbors([s for group in groups for s in group])
     model = build_model(args.model, len(species))
     units = {"species": species, "energy_references": [0.0] * len(species), "energy_scale": 1.0}
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    optimizers = {"Adam loop": torch.optim.Adam(model.parameters(), lr=1e-3), None: adam(model, 1e-3)}
     data = [collate(group) for group in groups]
     frozen = build_model(args.model, len(species)).requires_grad_(False)
     frozen.load_state_dict(model.state_dict())
 
-    def train_step(batch):
+    def train_step(batch, name):
+        optimizer = optimizers.get(name, optimizers[None])
         loss = loss_fn(predict(model, batch, units, create_graph=True), batch, units, force_weight=10.0)
         optimizer.zero_grad()
         loss.backward()
@@ -144,29 +160,31 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         attr = torch.nn.functional.one_hot(batch["species"], len(species)).to(batch["pos"].dtype)
         energy_and_forces(frozen, batch["pos"], batch=batch["batch"], node_attr=attr, edge_index=batch["edge_index"])
 
-    for setting in SETTINGS:  # warm up: the kernels' compilation, the caches
-        with geometry(setting):
-            train_step(data[0])
+    settings = BASELINES[args.baseline]
+    for name in settings:  # warm up: the kernels' compilation, the caches
+        with setting(name):
+            train_step(data[0], name)
             call(data[0])
-    times: Dict[str, Dict[str, List[float]]] = {s: {"step": [], "call": []} for s in SETTINGS}
+    times: Dict[str, Dict[str, List[float]]] = {s: {"step": [], "call": []} for s in settings}
     for _ in range(args.repeats):
-        for setting in SETTINGS:
-            with geometry(setting):
-                times[setting]["step"].append(_median_seconds(train_step, data[1:]))
-                times[setting]["call"].append(_median_seconds(call, data[1:]))
-    result = {s: {k: statistics.median(v) for k, v in times[s].items()} for s in SETTINGS}
-    ratios = {k: statistics.median(a / b for a, b in zip(times["per-layer"][k], times["shared"][k]))
+        for name in settings:
+            with setting(name):
+                times[name]["step"].append(_median_seconds(lambda batch: train_step(batch, name), data[1:]))
+                times[name]["call"].append(_median_seconds(call, data[1:]))
+    result = {s: {k: statistics.median(v) for k, v in times[s].items()} for s in settings}
+    ratios = {k: statistics.median(a / b for a, b in zip(times[settings[0]][k], times[settings[1]][k]))
               for k in ("step", "call")}
     atoms, edges = int(data[1]["pos"].shape[0]), int(data[1]["edge_index"].shape[1])
     print(f"{args.molecule} x {args.batch_size} ({atoms} atoms, {edges} edges), {args.threads} thread(s), "
           f"{cpu_name()}, torch {torch.__version__}")
-    print("| geometry | force-training step (ms) | energy + forces, frozen (ms) |")
+    print(f"| {args.baseline} | force-training step (ms) | energy + forces, frozen (ms) |")
     print("|---|---|---|")
-    for s in SETTINGS:
+    for s in settings:
         print(f"| {s} | {1e3 * result[s]['step']:.1f} | {1e3 * result[s]['call']:.2f} |")
-    print(f"| speed-up of sharing (per-layer / shared, median of turns) | {ratios['step']:.2f}x | {ratios['call']:.2f}x |")
+    print(f"| speed-up ({settings[0]} / {settings[1]}, median of turns) | {ratios['step']:.2f}x | "
+          f"{ratios['call']:.2f}x |")
     report = {"meta": {"machine": cpu_name(), "python": platform.python_version(), "torch": torch.__version__,
-                       "threads": args.threads, "molecule": args.molecule, "batch_size": args.batch_size,
+                       "threads": args.threads, "molecule": args.molecule, "baseline": args.baseline, "batch_size": args.batch_size,
                        "atoms": atoms, "edges": edges, "steps": args.steps, "repeats": args.repeats,
                        "model": {k: v for k, v in vars(args.model).items()}},
               "seconds": times, "median_seconds": result, "speedup": ratios}

@@ -19,6 +19,7 @@ p = argparse.ArgumentParser()
 for key in ("--name", "--max_num_epochs", "--train_file", "--test_file", "--num_channels", "--max_L"):
     p.add_argument(key)
 args = p.parse_known_args()[0]
+assert pathlib.Path(args.train_file).is_file() and pathlib.Path(args.test_file).is_file(), "no such file"
 pathlib.Path("logs").mkdir(exist_ok=True)
 end = 12.0 + {SECONDS_PER_EPOCH} * int(args.max_num_epochs)
 pathlib.Path("logs", args.name + "_run-0.log").write_text(
@@ -97,10 +98,11 @@ def test_budget_sets_the_epochs_and_the_errors_are_those_of_the_predictions(mace
     assert row["commands"][1].endswith("--default_dtype float32 --device cpu")
 
 
-def test_given_epochs_skip_the_calibration(mace_peer, fake_mace, tmp_path):
+def test_given_epochs_skip_the_calibration(mace_peer, fake_mace, tmp_path, monkeypatch):
     python, data = fake_mace
-    row = mace_peer.run_mace(python, "mol", data, "8x0", budget=10.0, threads=1, max_radius=4.0,
-                             workdir=tmp_path / "work", epochs=3)
+    monkeypatch.chdir(tmp_path)  # a data folder relative to here, where MACE does not run
+    row = mace_peer.run_mace(python, "mol", data.relative_to(tmp_path), "8x0", budget=10.0, threads=1,
+                             max_radius=4.0, workdir=tmp_path / "work", epochs=3)
     assert row["epochs"] == 3 and "calibration_seconds_per_epoch" not in row
     assert not (tmp_path / "work" / "mol-8x0-calibration").exists()
 

@@ -136,7 +136,8 @@ def test_best_epoch_by_validation_is_the_model_kept(data, ema):
     model = build_model(args, 2)
     result = fit(model, samples[:15], units, args, "cpu", valid_set=samples[15:])
     assert len(result.valid_losses) == 4 and result.best_epoch == 1 + int(np.argmin(result.valid_losses))
-    weights = dict(force_weight=args.force_weight, energy_weight=args.energy_weight, stress_weight=args.stress_weight)
+    weights = dict(force_weight=args.force_weight, energy_weight=args.energy_weight, stress_weight=args.stress_weight,
+                   loss=args.loss, huber_delta=args.huber_delta)
     kept = evaluate(model, samples[15:], units, "cpu", weights=weights)["loss"]
     assert kept == pytest.approx(min(result.valid_losses), rel=1e-5)
 
@@ -187,6 +188,7 @@ def test_the_command_has_its_own_defaults_and_the_emt_example_keeps_its(monkeypa
     assert (example.max_radius, example.layers, example.hidden, example.heads) == (4.0, 1, "16x0e + 8x1o", 4)
     # the command's defaults as docs/guide/training.rst states them
     assert (args.max_radius, args.layers, args.heads, args.batch_size, args.force_weight) == (5.0, 2, 1, 8, 10.0)
+    assert (args.loss, args.huber_delta, example.loss) == ("huber", 0.01, "mse")
     with pytest.raises(ValueError, match="unknown option.*layerz"):
         options.add_model_options(options.ArgumentParser("x"), defaults={"layerz": 2})
 
@@ -223,6 +225,8 @@ def bad_inputs(data, tmp_path):
         (train + ["--valid-file", str(data["test"]), "--valid-fraction", "0.1"], "--valid-file or --valid-fraction"),
         (train + ["--save", str(tmp_path / "absent" / "model.pt")], "argument --save: the folder"),
         (train + ["--lr", "-1"], "argument --lr: expected a positive number, got '-1'"),
+        (train + ["--loss", "l1"], "argument --loss: invalid choice: 'l1'"),
+        (train + ["--loss", "huber", "--huber-delta", "0"], "argument --huber-delta: expected a positive number"),
     ]
 
 
@@ -287,3 +291,46 @@ def test_console_script_and_module_entry_point():
     import e3attn.train.__main__ as module_main
 
     assert module_main.main is cli.main
+
+
+def test_the_huber_loss_against_its_definition():
+    from e3attn.train import loss_fn
+
+    batch = {"energy": torch.tensor([0.0, 1.0]), "forces": torch.zeros(3, 3), "num_atoms": torch.tensor([1, 2])}
+    forces = torch.tensor([[0.05, -0.3, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 2.0]])
+    prediction = (torch.tensor([0.04, 1.2]), forces, None)
+    units = {"energy_scale": 0.5}
+
+    def huber(x, delta):  # x^2 / 2 delta within delta, |x| - delta / 2 beyond
+        return torch.where(x.abs() <= delta, x**2 / (2 * delta), x.abs() - delta / 2)
+
+    energy_errors, force_errors = torch.tensor([0.08, 0.2]), forces.flatten() / 0.5  # per atom, over the scale
+    for delta in (0.1, 0.5, 10.0):
+        expected = 2.0 * huber(energy_errors, delta).mean() + 3.0 * huber(force_errors, delta).mean()
+        got = loss_fn(prediction, batch, units, force_weight=3.0, energy_weight=2.0, loss="huber", huber_delta=delta)
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+    squares = 2.0 * energy_errors.pow(2).mean() + 3.0 * force_errors.pow(2).mean()
+    torch.testing.assert_close(loss_fn(prediction, batch, units, force_weight=3.0, energy_weight=2.0), squares)
+    with pytest.raises(ValueError, match="loss must be 'mse' or 'huber', got 'l1'"):
+        loss_fn(prediction, batch, units, force_weight=3.0, loss="l1")
+    with pytest.raises(ValueError, match="huber_delta must be a positive number, got 0"):
+        loss_fn(prediction, batch, units, force_weight=3.0, loss="huber", huber_delta=0)
+
+
+def test_the_loss_options_reach_training_and_validation(data, monkeypatch):
+    import e3attn.train.loop as loop
+    from e3attn.train import build_model
+
+    samples = [to_sample(a, ["Ni", "Cu"], 3.0) for a in read(data["ptrain"], index=":")]
+    args = cli.parse_args(["--train-file", "unused"] + TINY + ["--epochs", "1", "--loss", "huber",
+                                                               "--huber-delta", "0.3", "--batch-size", "5"])
+    args.avg_num_neighbors, args.max_radius = 10.0, 3.0
+    seen = []
+    for module in (loop, __import__("e3attn.train.model", fromlist=["loss_fn"])):
+        original = module.loss_fn
+        monkeypatch.setattr(module, "loss_fn", lambda *a, _f=original, **k: seen.append(k) or _f(*a, **k))
+    torch.manual_seed(0)
+    fit(build_model(args, 2), samples[:15], fit_references(samples[:15], ["Ni", "Cu"]), args, "cpu",
+        valid_set=samples[15:])
+    assert len(seen) == 3 + 1  # three training steps, one validation batch
+    assert all(k["loss"] == "huber" and k["huber_delta"] == 0.3 for k in seen)

@@ -21,7 +21,7 @@ _PACKAGE = Path(__file__).resolve().parents[1]
 #: The files of e3attn that hold numba code (relative to the package); their contents make up the stamp of every
 #: kernel.
 SOURCES = ("kernels/cpu.py", "kernels/segments.py", "kernels/geometry.py", "kernels/softmax_ops.py",
-           "kernels/heads_ops.py", "graph/csr.py")
+           "kernels/heads_ops.py", "kernels/moments_ops.py", "graph/csr.py")
 
 
 def sources_stamp(package: Path = _PACKAGE) -> str:

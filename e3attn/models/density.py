@@ -5,6 +5,7 @@ from typing import Optional
 
 import torch
 
+from .. import kernels
 from .._constants import Float64ConstantsModule
 from .._checks import check_dtype, check_edge_index, check_edge_vec, check_features, check_int
 from .._irreps import IrrepsLike, as_irreps
@@ -55,9 +56,11 @@ class NeighbourDensity(Float64ConstantsModule):
     (:math:`w_{e,k,l} = c(r_e) R_{k,l}(r_e) s_{j,k}`, :math:`P_l` the Legendre polynomials, by the addition
     theorem): a sum over pairs of neighbours of a function of their bond angle, the three-body descriptor of
     SOAP and of ACE's products, learned per channel. The output is :math:`[\rho_i, P_i]`, ``num_channels +
-    angular_channels * lmax`` invariants per node; ``lmax=0`` is the density alone. The moments are formed on
-    the edges (``[E, (L + 1)^2 - 1, K_a]``, channels last), so their cost grows with :math:`K_a`; a few channels
-    carry the angles.
+    angular_channels * lmax`` invariants per node; ``lmax=0`` is the density alone. Their cost grows with
+    :math:`K_a`; a few channels carry the angles. On the CPU in eager mode, for edges sorted by destination, the
+    moments and all their derivatives are summed at the nodes by one compiled kernel
+    (:mod:`e3attn.kernels.moments_ops`); elsewhere by PyTorch operations on the edges' terms
+    ``[E, (L + 1)^2 - 1, K_a]``.
 
     Every term is invariant (lengths, scalars and norms of the moments), so the output is O(3)-invariant;
     :math:`c`, the embedding and hence every edge's contribution vanish smoothly at the cutoff, so it is smooth
@@ -139,6 +142,10 @@ class NeighbourDensity(Float64ConstantsModule):
         for m, l in enumerate(degrees):
             mean[m, l - 1] = 1.0 / (2 * l + 1)
         self.register_constant("mean", mean)
+        # the radial network's columns, reordered so that the angular ones run degree-major ([E, lmax, K_a] rows)
+        columns = list(range(num_channels)) + [num_channels + c * self.lmax + l for l in range(self.lmax)
+                                               for c in range(self.angular_channels)]
+        self.register_buffer("_columns", torch.tensor(columns, dtype=torch.long), persistent=False)
         self.source = IrrepsLinear(self.irreps_in, f"{num_channels}x0e")
         self._input = (self.irreps_in.dim, str(self.irreps_in))  # plain values for forward (torch.compile)
 
@@ -172,7 +179,10 @@ class NeighbourDensity(Float64ConstantsModule):
                 raise ValueError(f"geometry must hold the harmonics Y [{src.shape[0]}, {components}] (degrees 0 to "
                                  f"lmax={self.lmax}) for the edges, got {list(geometry[0].shape)}")
         y, pre, r = geometry
-        radial = self.radial.activate(pre)[0] @ self.radial.output_layers()[0]
+        output = self.radial.output_layers()[0]
+        if self.lmax:
+            output = output.index_select(1, self._columns)
+        radial = self.radial.activate(pre)[0] @ output
         weight = radial * (cutoff_weight(r, self.max_radius) / self.avg_num_neighbors)[:, None]
         source = self.source(f).index_select(0, src)
         k = self.num_channels
@@ -180,13 +190,28 @@ class NeighbourDensity(Float64ConstantsModule):
         if self.lmax == 0:
             return rho
         channels, components = self.angular_channels, self._degree.shape[0]
-        # components before channels: the gathers and products run on rows of K_a contiguous numbers (about a
-        # third faster, with the derivatives, than with the components last)
-        a = weight[:, k:].view(-1, channels, self.lmax).transpose(1, 2) * source[:, None, :channels]  # [E, lmax, K_a]
-        terms = a.index_select(1, self._degree) * y[:, 1 : components + 1, None]  # [E, (lmax + 1)^2 - 1, K_a]
-        moments = scatter_sum(terms.reshape(-1, components * channels), dst, num_nodes).view(-1, components, channels)
+        a = weight[:, k:].view(-1, self.lmax, channels) * source[:, None, :channels]  # [E, lmax, K_a]
+        moments = self._moments(a, y[:, 1 : components + 1], dst, num_nodes)  # [N, (lmax + 1)^2 - 1, K_a]
         power = torch.matmul(self.constant("mean", moments.dtype).T, moments.pow(2))  # [N, lmax, K_a]
         return torch.cat([rho, power.transpose(1, 2).reshape(num_nodes, channels * self.lmax)], dim=1)
+
+    def _moments(self, a: torch.Tensor, y: torch.Tensor, dst: torch.Tensor, num_nodes: int) -> torch.Tensor:
+        """The moments :math:`A_{i, lm, k}` ``[N, (lmax + 1)^2 - 1, K_a]`` of ``a [E, lmax, K_a]`` (the edges'
+        weights :math:`c R s` per degree and channel) and the harmonics ``y [E, (lmax + 1)^2 - 1]``: on the kernel
+        of :mod:`e3attn.kernels.moments_ops` for edges sorted by destination where the layer's kernels run in eager
+        mode, else in PyTorch operations."""
+        if (kernels.fused_enabled(a.device, a.dtype) and kernels.eager_on_cpu(a, y)
+                and bool((dst[1:] >= dst[:-1]).all())):
+            from ..kernels import moments_ops  # imports numba: only where the kernels run
+
+            rowptr = torch.searchsorted(dst.contiguous(), torch.arange(num_nodes + 1, device=dst.device))
+            return moments_ops.angular_moments_csr(a, y, rowptr, self._degree)
+        return self._plain_moments(a, y, dst, num_nodes)
+
+    def _plain_moments(self, a: torch.Tensor, y: torch.Tensor, dst: torch.Tensor, num_nodes: int) -> torch.Tensor:
+        """:meth:`_moments` in PyTorch operations, on every edge's terms."""
+        terms = a.index_select(1, self._degree) * y[:, :, None]  # [E, (lmax + 1)^2 - 1, K_a]
+        return scatter_sum(terms.flatten(1), dst, num_nodes).view(num_nodes, -1, a.shape[2])
 
     def _plain_geometry(self, edge_vec: torch.Tensor, first_layer: torch.Tensor):
         """What :func:`~e3attn.edge_geometry.edge_geometry` computes, in PyTorch operations: the harmonics up to

@@ -36,7 +36,7 @@ PROG = "e3attn-train"
 MODEL_DEFAULTS = dict(max_radius=5.0, layers=2, heads=1, density_lmax=3)
 """The command's model defaults where they differ from the EMT example's (``e3attn.train.options.MODEL_DEFAULTS``),
 chosen on GFN2-xTB molecular dynamics of organic molecules (docs/guide/accuracy_organic.rst)."""
-TRAINING_DEFAULTS = dict(batch_size=8, force_weight=10.0, lr=2e-2)
+TRAINING_DEFAULTS = dict(batch_size=8, force_weight=10.0, lr=2e-2, loss="huber")
 """The command's training defaults where they differ from the EMT example's
 (``e3attn.train.options.TRAINING_DEFAULTS``)."""
 DTYPES = {"float32": torch.float32, "float64": torch.float64}

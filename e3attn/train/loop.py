@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from .data import collate
 from .model import evaluate, loss_fn, predict, to_device
 
-__all__ = ["FitResult", "WeightAverage", "fit", "init_distributed", "synced_max", "progress"]
+__all__ = ["FitResult", "WeightAverage", "adam", "fit", "init_distributed", "synced_max", "progress"]
 
 
 class FitResult(NamedTuple):
@@ -131,18 +131,34 @@ def _bar(epochs: int, disable: bool):
     return tqdm(total=epochs, desc="training", disable=disable)
 
 
+def adam(model: torch.nn.Module, lr: float) -> torch.optim.Adam:
+    """Adam over the trainable parameters of ``model``, fused into one kernel per step where PyTorch has one (all
+    of them CPU or CUDA tensors): a few times faster than its loop over the parameters, a few percent of a CPU
+    training step of a small model.
+
+    Example::
+
+        >>> adam(torch.nn.Linear(3, 2), 1e-2).defaults["fused"]
+        True
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+    return torch.optim.Adam(params, lr=lr, fused=fused)
+
+
 def fit(model: torch.nn.Module, train_set: Sequence[dict], units: dict, args: argparse.Namespace, device,
         rank: int = 0, world: int = 1, valid_set: Optional[Sequence[dict]] = None) -> FitResult:
     r"""Train ``model`` (DDP-wrapped with ``args.ddp``) on ``train_set``; with ``valid_set``, it ends with the
     weights of the epoch of least validation loss.
 
-    Adam with the learning rate ``args.lr`` and the schedule ``args.schedule`` (cosine: :math:`\eta =
-    \eta_0 (1 + \cos \pi t) / 2` with :math:`t` the fraction done of the epochs or of the time budget), batches of
-    ``args.batch_size`` shuffled with ``args.seed``, the loss :func:`~e3attn.train.loss_fn` with
-    ``args.force_weight``, ``args.energy_weight`` (and ``args.stress_weight`` when the samples have stress).
-    With ``args.time_budget`` no epoch starts that would not end within it (validation included). With
-    ``args.ema`` :math:`> 0` the validation, the model kept and the model returned are those of the moving average of
-    the weights (:class:`WeightAverage`).
+    Adam (fused into one kernel per step for CPU and CUDA parameters, :func:`adam`) with the learning rate
+    ``args.lr`` and the schedule ``args.schedule`` (cosine: :math:`\eta = \eta_0 (1 + \cos \pi t) / 2` with
+    :math:`t` the fraction done of the epochs or of the time budget), batches of ``args.batch_size`` shuffled
+    with ``args.seed``, the loss :func:`~e3attn.train.loss_fn` with ``args.force_weight``, ``args.energy_weight``
+    (and ``args.stress_weight`` when the samples have stress), ``args.loss`` and ``args.huber_delta`` (where
+    ``args`` has them; else squared errors), for validation too. With ``args.time_budget`` no epoch starts that
+    would not end within it (validation included). With ``args.ema`` :math:`> 0` the validation, the model kept and the
+    model returned are those of the moving average of the weights (:class:`WeightAverage`).
 
     Example::
 
@@ -164,12 +180,13 @@ def fit(model: torch.nn.Module, train_set: Sequence[dict], units: dict, args: ar
     loader = DataLoader(train_set, args.batch_size, shuffle=sampler is None, sampler=sampler, collate_fn=collate,
                         generator=torch.Generator().manual_seed(args.seed))
     module = getattr(model, "module", model)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    optimizer = adam(model, args.lr)
     average = WeightAverage(module, getattr(args, "ema", 0.0))
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=3) \
         if args.schedule == "plateau" else None
     weights = dict(force_weight=args.force_weight, energy_weight=args.energy_weight,
-                   stress_weight=getattr(args, "stress_weight", 1.0))
+                   stress_weight=getattr(args, "stress_weight", 1.0), loss=getattr(args, "loss", "mse"),
+                   huber_delta=getattr(args, "huber_delta", 0.01))
     bar = _bar(args.epochs, disable=rank != 0 or args.quiet)
     losses, valid_losses, best = [], [], (math.inf, 0, None)
     start, epoch_time = time.perf_counter(), 0.0

@@ -2,6 +2,7 @@ r"""The energy model of the training command, its predictions in eV, the loss, a
 from __future__ import annotations
 
 import argparse
+import functools
 import warnings
 from typing import Optional, Sequence, Tuple
 
@@ -93,30 +94,52 @@ def predict(model: torch.nn.Module, batch: dict, units: dict, amp: bool = False,
 
 
 def loss_fn(prediction: Tuple, batch: dict, units: dict, force_weight: float, energy_weight: float = 1.0,
-            stress_weight: float = 1.0) -> torch.Tensor:
-    r"""Mean squared errors of the energy per atom, the force components and the virial per atom (with stress),
-    all in units of the energy scale :math:`s`:
+            stress_weight: float = 1.0, loss: str = "mse", huber_delta: float = 0.01) -> torch.Tensor:
+    r"""The mean penalty :math:`\rho` of the errors of the energy per atom, the force components and the virial
+    per atom (with stress), all in units of the energy scale :math:`s`:
 
-    .. math:: L = w_E \Big\langle \Big(\frac{\Delta E}{n s}\Big)^2 \Big\rangle
-        + w_F \Big\langle \Big(\frac{\Delta F}{s}\Big)^2 \Big\rangle
-        + w_\sigma \Big\langle \Big(\frac{V \Delta\sigma}{n s}\Big)^2 \Big\rangle
+    .. math:: L = w_E \Big\langle \rho\Big(\frac{\Delta E}{n s}\Big) \Big\rangle
+        + w_F \Big\langle \rho\Big(\frac{\Delta F}{s}\Big) \Big\rangle
+        + w_\sigma \Big\langle \rho\Big(\frac{V \Delta\sigma}{n s}\Big) \Big\rangle
+
+    with ``loss="mse"`` the square, :math:`\rho(x) = x^2`, and with ``loss="huber"`` the Huber penalty divided by
+    :math:`\delta` (``huber_delta``): :math:`\rho(x) = x^2 / 2\delta` for :math:`|x| \le \delta`, else
+    :math:`|x| - \delta / 2`, the absolute error smoothed within :math:`\delta`. The squares put the weight on
+    the largest errors; the Huber penalty weighs every error beyond :math:`\delta` alike, as the mean absolute
+    errors that the command reports do.
 
     Example::
 
         >>> batch = {"energy": torch.tensor([1.0]), "forces": torch.zeros(2, 3), "num_atoms": torch.tensor([2])}
         >>> loss_fn((torch.tensor([2.0]), torch.zeros(2, 3), None), batch, {"energy_scale": 0.5}, force_weight=3.0)
         tensor(1.)
+        >>> loss_fn((torch.tensor([2.0]), torch.zeros(2, 3), None), batch, {"energy_scale": 0.5}, force_weight=3.0,
+        ...         loss="huber", huber_delta=0.5)  # 1 - 0.5 / 2
+        tensor(0.7500)
     """
+    if loss == "mse":
+        penalty = torch.square
+    elif loss == "huber":
+        if not (isinstance(huber_delta, (int, float)) and huber_delta > 0):
+            raise ValueError(f"huber_delta must be a positive number, got {huber_delta!r}")
+        penalty = functools.partial(_huber, delta=float(huber_delta))
+    else:
+        raise ValueError(f"loss must be 'mse' or 'huber', got {loss!r}")
     energy, forces, stress = prediction
     scale = units["energy_scale"]
     atoms = batch["num_atoms"].to(energy.dtype)
-    loss = energy_weight * ((energy - batch["energy"]) / atoms / scale).pow(2).mean()
-    loss = loss + force_weight * ((forces - batch["forces"]) / scale).pow(2).mean()
+    total = energy_weight * penalty((energy - batch["energy"]) / atoms / scale).mean()
+    total = total + force_weight * penalty((forces - batch["forces"]) / scale).mean()
     if stress is not None:
         volume = torch.linalg.det(batch["cell"]).abs().to(stress.dtype)
         virial = (stress - batch["stress"]) * (volume / atoms)[:, None, None] / scale
-        loss = loss + stress_weight * virial.pow(2).mean()
-    return loss
+        total = total + stress_weight * penalty(virial).mean()
+    return total
+
+
+def _huber(x: torch.Tensor, delta: float) -> torch.Tensor:
+    """The Huber penalty of ``x`` divided by ``delta``, elementwise."""
+    return torch.nn.functional.huber_loss(x, torch.zeros_like(x), reduction="none", delta=delta) / delta
 
 
 def evaluate(model: torch.nn.Module, samples: Sequence[dict], units: dict, device, amp: bool = False,

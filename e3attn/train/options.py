@@ -24,6 +24,7 @@ __all__ = [
 
 SCHEDULES = ("cosine", "plateau", "constant")
 ENERGY_SCALES = ("force_rms", "energy_std")
+LOSSES = ("mse", "huber")
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -149,7 +150,7 @@ MODEL_DEFAULTS: Dict[str, Any] = dict(max_radius=4.0, hidden="16x0e + 8x1o", lay
                                       density_angular=None, layer_norm="post", self_connection="identity")
 """Defaults of :func:`add_model_options`: the EMT example's model (``examples/molecules.py``)."""
 TRAINING_DEFAULTS: Dict[str, Any] = dict(batch_size=8, lr=1e-2, schedule="cosine", force_weight=3.0, energy_weight=1.0,
-                                         energy_scale="force_rms", ema=0.0)
+                                         energy_scale="force_rms", ema=0.0, loss="mse", huber_delta=0.01)
 """Defaults of :func:`add_training_options` (but the epochs and the budget): the EMT example's."""
 
 
@@ -241,6 +242,13 @@ def add_training_options(p: argparse.ArgumentParser, epochs: int, time_budget: f
                    help=f"weight of the force term (default {d['force_weight']:g})")
     p.add_argument("--energy-weight", type=non_negative_float, default=d["energy_weight"],
                    help=f"weight of the energy-per-atom term (default {d['energy_weight']:g})")
+    p.add_argument("--loss", choices=LOSSES, default=d["loss"],
+                   help="penalty of every error (in units of the energy scale): its square, or the Huber penalty, "
+                        "the absolute error smoothed within --huber-delta (e3attn.train.loss_fn; default "
+                        f"{d['loss']})")
+    p.add_argument("--huber-delta", type=positive_float, default=d["huber_delta"],
+                   help="with --loss huber: the error, in units of the energy scale, below which the penalty is "
+                        f"quadratic (default {d['huber_delta']:g})")
     p.add_argument("--energy-scale", choices=ENERGY_SCALES, default=d["energy_scale"],
                    help="unit of the model's output energy: the RMS force component (times 1 Angstrom) or the "
                         "standard deviation of the energy per atom after the per-element references "
