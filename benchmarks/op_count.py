@@ -140,7 +140,7 @@ def train_case(batch_size: int):
         prediction = train_step.predict(model, batch, units, create_graph=True)
         if counter is not None:
             counter.phase = "loss"
-        loss = train_step.loss_fn(prediction, batch, units, force_weight=10.0)
+        loss = train_step.loss_fn(prediction, batch, units, **train_step.LOSS)
         if counter is not None:
             counter.phase = "backward"
         loss.backward()

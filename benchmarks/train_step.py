@@ -51,6 +51,8 @@ from e3attn.models.density import NeighbourDensity  # noqa: E402
 from e3attn.train.loop import adam  # noqa: E402
 from e3attn.train.model import build_model, check_model_options, loss_fn, predict  # noqa: E402
 
+LOSS = dict(force_weight=cli.TRAINING_DEFAULTS["force_weight"], loss=cli.TRAINING_DEFAULTS["loss"])
+"""The loss of the training command (its force weight and the Huber loss)."""
 BASELINES = {"geometry": ("per-layer", "shared"), "moments": ("plain moments", "moments kernel"),
              "adam": ("Adam loop", "fused Adam")}
 """The two settings that each ``--baseline`` compares: before, today."""
@@ -151,7 +153,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
     def train_step(batch, name):
         optimizer = optimizers.get(name, optimizers[None])
-        loss = loss_fn(predict(model, batch, units, create_graph=True), batch, units, force_weight=10.0)
+        loss = loss_fn(predict(model, batch, units, create_graph=True), batch, units, **LOSS)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -56,19 +56,60 @@ def test_moments_derivatives_to_third_order():
         torch.testing.assert_close(kernel_grad, plain_grad, atol=1e-12 * scale, rtol=1e-10)
 
 
-def test_moments_the_same_on_two_threads():
-    a, y, dst, rowptr = csr_inputs(num_edges=4000, num_nodes=300, channels=16)
-    g = torch.randn(300, DEGREE.shape[0], 16, dtype=torch.float64)
+def test_moments_the_same_on_two_threads(monkeypatch):
+    from e3attn.kernels import threads as kernel_threads
+
+    monkeypatch.setattr(kernel_threads, "SERIAL_BELOW", 1)  # small work, split all the same
+    a, y, dst, rowptr = csr_inputs(num_edges=400, num_nodes=30, channels=16)
+    g = torch.randn(30, DEGREE.shape[0], 16, dtype=torch.float64)
     threads = torch.get_num_threads()
     outs = []
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
+            assert kernel_threads.threads_for(400) == n
             outs.append(moments_ops._run(a, y, g, rowptr, DEGREE, True, True, True))
     finally:
         torch.set_num_threads(threads)
     for one, two in zip(*outs):
         assert torch.equal(one, two)
+
+
+def test_batched_gradients_take_the_plain_contractions():
+    """Gradients given as a batch (is_grads_batched, as torch.autograd.functional's vectorized Jacobians and
+    Hessians take them) cannot enter the kernel; they are taken in PyTorch operations, to the second order."""
+    a, y, dst, rowptr = csr_inputs(num_edges=9, num_nodes=4, channels=2)
+    weights = torch.randn(4, DEGREE.shape[0], 2, dtype=torch.float64)
+    batch = torch.randn(3, 4, DEGREE.shape[0], 2, dtype=torch.float64)
+    batch_y = torch.randn(3, *y.shape, dtype=torch.float64)
+    results = []
+    for moments in (lambda a, y: moments_ops.angular_moments_csr(a, y, rowptr, DEGREE),
+                    lambda a, y: plain_moments(a, y, dst, 4)):
+        out = moments(a, y)
+        first = torch.autograd.grad(out, (a, y), batch, is_grads_batched=True, create_graph=True)
+        (gy,) = torch.autograd.grad((out.pow(2) * weights).sum(), y, create_graph=True)  # like forces
+        second = torch.autograd.grad(gy, a, batch_y, is_grads_batched=True)
+        results.append(first + second)
+    for kernel_grad, plain_grad in zip(*results):
+        assert kernel_grad.shape[0] == 3 and plain_grad.abs().max() > 1e-3
+        torch.testing.assert_close(kernel_grad, plain_grad, atol=1e-12, rtol=1e-12)
+
+
+def test_a_hessian_of_the_density_on_the_kernel():
+    torch.manual_seed(0)
+    density = NeighbourDensity("4x0e + 2x1o", 6, 1.6, lmax=2, angular_channels=3).double()
+    pos = 1.6 * torch.rand(5, 3, dtype=torch.float64)
+    f = torch.randn(5, 10, dtype=torch.float64)
+    edge_index = radius_graph(pos, 1.6)
+    energy = lambda p: density(f, edge_index, p[edge_index[0]] - p[edge_index[1]]).pow(2).sum()  # noqa: E731
+    on = torch.autograd.functional.hessian(energy, pos, vectorize=True)
+    previous = e3attn.kernels.set_fused_kernels(False)
+    try:
+        off = torch.autograd.functional.hessian(energy, pos, vectorize=True)
+    finally:
+        e3attn.kernels.set_fused_kernels(previous)
+    assert off.abs().max() > 1e-3
+    torch.testing.assert_close(on, off, atol=1e-12, rtol=1e-10)
 
 
 @pytest.mark.parametrize("change, match", [

@@ -125,7 +125,7 @@ def test_reference_energies_are_recovered_exactly():
 
 @pytest.mark.parametrize("ema", ["0", "0.9"])
 def test_best_epoch_by_validation_is_the_model_kept(data, ema):
-    from e3attn.train import build_model, evaluate
+    from e3attn.train import build_model, evaluate, loss_options
 
     structures = read(data["ptrain"], index=":")
     samples = [to_sample(a, ["Ni", "Cu"], 3.0) for a in structures]
@@ -136,9 +136,7 @@ def test_best_epoch_by_validation_is_the_model_kept(data, ema):
     model = build_model(args, 2)
     result = fit(model, samples[:15], units, args, "cpu", valid_set=samples[15:])
     assert len(result.valid_losses) == 4 and result.best_epoch == 1 + int(np.argmin(result.valid_losses))
-    weights = dict(force_weight=args.force_weight, energy_weight=args.energy_weight, stress_weight=args.stress_weight,
-                   loss=args.loss, huber_delta=args.huber_delta)
-    kept = evaluate(model, samples[15:], units, "cpu", weights=weights)["loss"]
+    kept = evaluate(model, samples[15:], units, "cpu", weights=loss_options(args))["loss"]
     assert kept == pytest.approx(min(result.valid_losses), rel=1e-5)
 
 
@@ -313,8 +311,9 @@ def test_the_huber_loss_against_its_definition():
     torch.testing.assert_close(loss_fn(prediction, batch, units, force_weight=3.0, energy_weight=2.0), squares)
     with pytest.raises(ValueError, match="loss must be 'mse' or 'huber', got 'l1'"):
         loss_fn(prediction, batch, units, force_weight=3.0, loss="l1")
-    with pytest.raises(ValueError, match="huber_delta must be a positive number, got 0"):
-        loss_fn(prediction, batch, units, force_weight=3.0, loss="huber", huber_delta=0)
+    for bad in (0, True):
+        with pytest.raises(ValueError, match=f"huber_delta must be a positive number, got {bad}"):
+            loss_fn(prediction, batch, units, force_weight=3.0, loss="huber", huber_delta=bad)
 
 
 def test_the_loss_options_reach_training_and_validation(data, monkeypatch):

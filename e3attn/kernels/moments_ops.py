@@ -22,7 +22,9 @@ has three contractions, each the others' derivative:
 order of derivative (forces and their training) runs on the one kernel, never on ``[E, M, K]`` tensors, which
 the plain formulation (a gather, a broadcast product and a scatter, and as many again for each derivative) forms
 several times. ``torch.autograd.Function`` s for plain eager CPU tensors (:func:`~e3attn.kernels.eager_on_cpu`
-says where), like :mod:`e3attn.kernels.heads_ops`.
+says where), like :mod:`e3attn.kernels.heads_ops`; a gradient that is not a plain tensor (batched, as
+``torch.autograd.grad(..., is_grads_batched=True)`` and ``torch.func`` give) is taken with the same contractions
+in PyTorch operations, which autograd differentiates again.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import numba
 import numpy as np
 import torch
 
+from . import _plain_eager
 from .cpu import _JIT
 from .segment_checks import check_segments
 from .threads import groups_for, parallel
@@ -91,6 +94,20 @@ def _run(a, y, g, rowptr, degree, want_a: bool, want_b: bool, want_c: bool):
     return outs
 
 
+def _plain(which: str, a, y, g, rowptr, degree) -> torch.Tensor:
+    """The contraction ``which`` (``"A"``, ``"B"`` or ``"C"``) of the given inputs in PyTorch operations (for
+    gradients that the kernel cannot take: batched ones)."""
+    dst = torch.repeat_interleave(torch.arange(rowptr.shape[0] - 1, device=rowptr.device), rowptr.diff())
+    if which == "A":
+        terms = a.index_select(1, degree) * y[:, :, None]
+        return terms.new_zeros((rowptr.shape[0] - 1,) + terms.shape[1:]).index_add(0, dst, terms)
+    gathered = g.index_select(0, dst)  # [E, M, K]
+    if which == "B":
+        terms = gathered * y[:, :, None]
+        return terms.new_zeros(terms.shape[0], int(degree.numpy()[-1]) + 1, terms.shape[2]).index_add(1, degree, terms)
+    return (gathered * a.index_select(1, degree)).sum(2)
+
+
 class _Moments(torch.autograd.Function):
     """:math:`A(a, y)`."""
 
@@ -103,6 +120,9 @@ class _Moments(torch.autograd.Function):
     def backward(ctx, g):
         a, y, rowptr, degree = ctx.saved_tensors
         need_a, need_y = ctx.needs_input_grad[:2]
+        if not _plain_eager((g,)):
+            return (_plain("B", None, y, g, rowptr, degree) if need_a else None,
+                    _plain("C", a, None, g, rowptr, degree) if need_y else None, None, None)
         if torch.is_grad_enabled():  # differentiable gradients: one function per contraction
             return (_Adjoint.apply(g, y, rowptr, degree, "B") if need_a else None,
                     _Adjoint.apply(g, a, rowptr, degree, "C") if need_y else None, None, None)
@@ -126,6 +146,11 @@ class _Adjoint(torch.autograd.Function):
         g, x, rowptr, degree = ctx.saved_tensors
         need_g, need_x = ctx.needs_input_grad[:2]
         # B(G, y): the gradients A(h, y) and C(G, h); C(G, a): A(a, h) and B(G, h)
+        if not _plain_eager((h,)):
+            a, y = (h, x) if ctx.which == "B" else (x, h)
+            return (_plain("A", a, y, None, rowptr, degree) if need_g else None,
+                    _plain("C" if ctx.which == "B" else "B", h, h, g, rowptr, degree) if need_x else None,
+                    None, None, None)
         moments = (_Moments.apply(h, x, rowptr, degree) if ctx.which == "B" else _Moments.apply(x, h, rowptr, degree)
                    ) if need_g else None
         other = _Adjoint.apply(g, h, rowptr, degree, "C" if ctx.which == "B" else "B") if need_x else None

@@ -14,10 +14,10 @@ Reading files needs ASE (``pip install 'e3attn[train]'``: ASE, tqdm for the prog
 """
 from .data import DataError, LabelKeys, collate, fit_references, read_structures, to_sample
 from .loop import FitResult, WeightAverage, adam, fit, init_distributed
-from .model import build_model, check_model_options, evaluate, loss_fn, predict
+from .model import build_model, check_model_options, evaluate, loss_fn, loss_options, predict
 
 __all__ = [
     "DataError", "LabelKeys", "collate", "fit_references", "read_structures", "to_sample",
     "FitResult", "WeightAverage", "adam", "fit", "init_distributed", "build_model", "check_model_options", "evaluate",
-    "loss_fn", "predict",
+    "loss_fn", "loss_options", "predict",
 ]

@@ -28,7 +28,7 @@ from . import options as opt
 from .config import config_arguments
 from .data import DataError, LabelKeys, fit_references, mean_neighbors, read_structures, split, to_sample
 from .loop import fit, init_distributed, synced_max
-from .model import build_model, check_model_options, evaluate
+from .model import build_model, check_model_options, evaluate, loss_options
 
 __all__ = ["parse_args", "load_data", "run", "main", "CommandError"]
 
@@ -232,7 +232,7 @@ def run(args: argparse.Namespace) -> dict:
                "parameters": sum(p.numel() for p in module.parameters())}
     for name in ("valid", "test"):
         if samples.get(name) and rank == 0:
-            errors = evaluate(module, samples[name], units, device, args.amp)
+            errors = evaluate(module, samples[name], units, device, args.amp, weights=loss_options(args))
             metrics[name] = {k: v for k, v in errors.items() if not k.startswith(("true_", "pred_"))}
     try:
         if rank == 0:

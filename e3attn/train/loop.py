@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from .data import collate
-from .model import evaluate, loss_fn, predict, to_device
+from .model import evaluate, loss_fn, loss_options, predict, to_device
 
 __all__ = ["FitResult", "WeightAverage", "adam", "fit", "init_distributed", "synced_max", "progress"]
 
@@ -154,11 +154,12 @@ def fit(model: torch.nn.Module, train_set: Sequence[dict], units: dict, args: ar
     Adam (fused into one kernel per step for CPU and CUDA parameters, :func:`adam`) with the learning rate
     ``args.lr`` and the schedule ``args.schedule`` (cosine: :math:`\eta = \eta_0 (1 + \cos \pi t) / 2` with
     :math:`t` the fraction done of the epochs or of the time budget), batches of ``args.batch_size`` shuffled
-    with ``args.seed``, the loss :func:`~e3attn.train.loss_fn` with ``args.force_weight``, ``args.energy_weight``
-    (and ``args.stress_weight`` when the samples have stress), ``args.loss`` and ``args.huber_delta`` (where
-    ``args`` has them; else squared errors), for validation too. With ``args.time_budget`` no epoch starts that
-    would not end within it (validation included). With ``args.ema`` :math:`> 0` the validation, the model kept and the
-    model returned are those of the moving average of the weights (:class:`WeightAverage`).
+    with ``args.seed``, the loss :func:`~e3attn.train.loss_fn` with the options that
+    :func:`~e3attn.train.loss_options` reads from ``args`` (``args.force_weight``, ``args.energy_weight``, and where
+    ``args`` has them ``args.stress_weight``, ``args.loss``, ``args.huber_delta``), for validation too. With
+    ``args.time_budget`` no epoch starts that would not end within it (validation included). With ``args.ema``
+    :math:`> 0` the validation, the model kept and the model returned are those of the moving average of the
+    weights (:class:`WeightAverage`).
 
     Example::
 
@@ -184,9 +185,7 @@ def fit(model: torch.nn.Module, train_set: Sequence[dict], units: dict, args: ar
     average = WeightAverage(module, getattr(args, "ema", 0.0))
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=3) \
         if args.schedule == "plateau" else None
-    weights = dict(force_weight=args.force_weight, energy_weight=args.energy_weight,
-                   stress_weight=getattr(args, "stress_weight", 1.0), loss=getattr(args, "loss", "mse"),
-                   huber_delta=getattr(args, "huber_delta", 0.01))
+    weights = loss_options(args)
     bar = _bar(args.epochs, disable=rank != 0 or args.quiet)
     losses, valid_losses, best = [], [], (math.inf, 0, None)
     start, epoch_time = time.perf_counter(), 0.0

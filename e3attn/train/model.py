@@ -11,7 +11,7 @@ import torch
 from ..models import EquivariantTransformer, energy_and_forces, energy_forces_stress
 from .data import collate
 
-__all__ = ["build_model", "check_model_options", "predict", "loss_fn", "evaluate", "to_device"]
+__all__ = ["build_model", "check_model_options", "predict", "loss_fn", "loss_options", "evaluate", "to_device"]
 
 
 def build_model(args: argparse.Namespace, num_species: int) -> EquivariantTransformer:
@@ -120,7 +120,7 @@ def loss_fn(prediction: Tuple, batch: dict, units: dict, force_weight: float, en
     if loss == "mse":
         penalty = torch.square
     elif loss == "huber":
-        if not (isinstance(huber_delta, (int, float)) and huber_delta > 0):
+        if isinstance(huber_delta, bool) or not (isinstance(huber_delta, (int, float)) and huber_delta > 0):
             raise ValueError(f"huber_delta must be a positive number, got {huber_delta!r}")
         penalty = functools.partial(_huber, delta=float(huber_delta))
     else:
@@ -135,6 +135,21 @@ def loss_fn(prediction: Tuple, batch: dict, units: dict, force_weight: float, en
         virial = (stress - batch["stress"]) * (volume / atoms)[:, None, None] / scale
         total = total + stress_weight * penalty(virial).mean()
     return total
+
+
+def loss_options(args: argparse.Namespace) -> dict:
+    """The keyword arguments of :func:`loss_fn` that the training options ``args`` set (the weights, the loss and
+    its delta; the defaults of :func:`loss_fn` where ``args`` has none): what the training loop trains and
+    validates with, and what the command reports as each split's loss.
+
+    Example::
+
+        >>> loss_options(argparse.Namespace(force_weight=10.0, energy_weight=1.0, loss="huber", huber_delta=0.01))
+        {'force_weight': 10.0, 'energy_weight': 1.0, 'stress_weight': 1.0, 'loss': 'huber', 'huber_delta': 0.01}
+    """
+    return dict(force_weight=args.force_weight, energy_weight=args.energy_weight,
+                stress_weight=getattr(args, "stress_weight", 1.0), loss=getattr(args, "loss", "mse"),
+                huber_delta=getattr(args, "huber_delta", 0.01))
 
 
 def _huber(x: torch.Tensor, delta: float) -> torch.Tensor:
