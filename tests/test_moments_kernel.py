@@ -68,7 +68,7 @@ def test_moments_the_same_on_two_threads(monkeypatch):
         for n in (1, 2):
             torch.set_num_threads(n)
             assert kernel_threads.threads_for(400) == n
-            outs.append(moments_ops._run(a, y, g, rowptr, DEGREE, True, True, True))
+            outs.append(list(moments_ops._run(a, y, g, rowptr, DEGREE, ("g", "a", "y")).values()))
     finally:
         torch.set_num_threads(threads)
     for one, two in zip(*outs):
@@ -158,3 +158,21 @@ def test_density_on_the_kernel_equals_the_plain_density(monkeypatch, shuffle):
     assert len(calls) == (0 if shuffle else 1)
     for x, y in zip(on, off):
         torch.testing.assert_close(x, y, atol=1e-12, rtol=1e-12)
+
+
+def test_degree_checked_again_after_a_change_in_place():
+    """The values of ``degree`` are checked once per tensor and version: a change in place is seen."""
+    degree = DEGREE.clone()
+    args = dict(a=torch.zeros(5, LMAX, 2, dtype=torch.float64), y=torch.zeros(5, 15, dtype=torch.float64),
+                rowptr=torch.tensor([0, 2, 2, 5]))
+    assert moments_ops.angular_moments_csr(degree=degree, **args).shape == (3, 15, 2)
+    degree[-1] = LMAX  # a row that a does not have
+    with pytest.raises(ValueError, match="degree must be a rising"):
+        moments_ops.angular_moments_csr(degree=degree, **args)
+
+
+def test_the_plain_contractions_name_their_slot():
+    from e3attn.kernels.moments import contract
+
+    with pytest.raises(ValueError, match="slot must be one of"):
+        contract("b", None, None, torch.zeros(1, 15, 2), torch.zeros(1, dtype=torch.long), 1, DEGREE)

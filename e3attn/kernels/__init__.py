@@ -15,7 +15,8 @@ formulation, two backends, chosen by :func:`backend` for the device of the tenso
   harmonics, radial first layer and lengths, and the attention's softmax over each node's edges, one pass per
   direction each (``torch.autograd.Function`` s for plain eager tensors, :func:`eager_on_cpu`);
 * :mod:`e3attn.kernels.moments_ops`: on the CPU (numba) the angular moments of
-  :class:`~e3attn.models.NeighbourDensity` summed at the nodes, with all their derivatives;
+  :class:`~e3attn.models.NeighbourDensity` summed at the nodes, with all their derivatives (their plain
+  formulation: :mod:`e3attn.kernels.moments`);
 * :mod:`e3attn.kernels.cpu`: the numba loops those CPU kernels share;
 * :mod:`e3attn.kernels.threads`: the threads that run the numba kernels (PyTorch's own OpenMP threads where
   possible).

@@ -20,20 +20,25 @@ has three contractions, each the others' derivative:
 (:math:`i` the destination of :math:`e`), so :math:`A`'s gradients are :math:`B(g, y)` and :math:`C(g, a)`,
 :math:`B`'s are :math:`A(h, y)` and :math:`C(G, h)`, :math:`C`'s are :math:`A(a, h)` and :math:`B(G, h)`: every
 order of derivative (forces and their training) runs on the one kernel, never on ``[E, M, K]`` tensors, which
-the plain formulation (a gather, a broadcast product and a scatter, and as many again for each derivative) forms
-several times. ``torch.autograd.Function`` s for plain eager CPU tensors (:func:`~e3attn.kernels.eager_on_cpu`
-says where), like :mod:`e3attn.kernels.heads_ops`; a gradient that is not a plain tensor (batched, as
-``torch.autograd.grad(..., is_grads_batched=True)`` and ``torch.func`` give) is taken with the same contractions
-in PyTorch operations, which autograd differentiates again.
+the plain formulation (:mod:`e3attn.kernels.moments`: a gather, a broadcast product and a scatter, and as many
+again for each derivative) forms several times. One ``torch.autograd.Function`` for plain eager CPU tensors
+(:func:`~e3attn.kernels.eager_on_cpu` says where), like :mod:`e3attn.kernels.heads_ops`, takes every contraction,
+named by its slot (``"g"`` :math:`A`, ``"a"`` :math:`B`, ``"y"`` :math:`C`); a gradient that is not a plain tensor
+(batched, as ``torch.autograd.grad(..., is_grads_batched=True)`` and ``torch.func`` give) is taken with the same
+contractions in PyTorch operations (:func:`~e3attn.kernels.moments.contract`), which autograd differentiates again.
 """
 from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
 
 import numba
 import numpy as np
 import torch
 
 from . import _plain_eager
+from .._remembered import checked, remember
 from .cpu import _JIT
+from .moments import SLOTS, contract
 from .segment_checks import check_segments
 from .threads import groups_for, parallel
 
@@ -77,98 +82,80 @@ def _contract(a, y, g, rowptr, degree, gi, groups, out_a, out_b, out_c):
                     out_c[e, m] = total
 
 
-def _run(a, y, g, rowptr, degree, want_a: bool, want_b: bool, want_c: bool):
-    """The wanted contractions (``A [N, M, K]``, ``B [E, L, K]``, ``C [E, M]``; the others None) on the kernel."""
+def _run(a, y, g, rowptr, degree, wanted: Tuple[str, ...]) -> Dict[str, torch.Tensor]:
+    """The contractions of the ``wanted`` slots (:data:`~e3attn.kernels.moments.SLOTS`: ``"g"`` :math:`A`
+    ``[N, M, K]``, ``"a"`` :math:`B` ``[E, L, K]``, ``"y"`` :math:`C` ``[E, M]``) at ``(a, y, g)``, in one pass of
+    the kernel; an argument that no wanted contraction reads may be None."""
     ref = next(t for t in (a, y, g) if t is not None)
     num_nodes, num_edges = rowptr.shape[0] - 1, (a if a is not None else y).shape[0]
     components, channels = degree.shape[0], (a if a is not None else g).shape[2]
-    shape_b = (num_edges, int(degree.numpy()[-1]) + 1, channels)
-    outs = (ref.new_empty((num_nodes, components, channels)) if want_a else None,
-            ref.new_empty(shape_b) if want_b else None, ref.new_empty((num_edges, components)) if want_c else None)
+    shapes = dict(g=(num_nodes, components, channels), a=(num_edges, int(degree.numpy()[-1]) + 1, channels),
+                  y=(num_edges, components))
+    outs = {slot: ref.new_empty(shapes[slot]) for slot in wanted}
     empty = {2: ref.new_empty((0, 1)).numpy(), 3: ref.new_empty((0, 1, 1)).numpy()}  # numba types by dimension
     inputs = [t.detach().contiguous().numpy() if t is not None else empty[dim] for t, dim in ((a, 3), (y, 2), (g, 3))]
-    outputs = [o.numpy() if o is not None else empty[dim] for o, dim in zip(outs, (3, 3, 2))]
-    work = num_edges * components * channels * (want_a + want_b + want_c)
+    outputs = [outs[slot].numpy() if slot in outs else empty[dim] for slot, dim in (("g", 3), ("a", 3), ("y", 2))]
+    work = num_edges * components * channels * len(wanted)
     groups = groups_for(work, max(1, min(num_nodes, 4 * torch.get_num_threads())))
     parallel(lambda gi: _contract(*inputs, rowptr.numpy(), degree.numpy(), gi, groups, *outputs), groups, work)
     return outs
 
 
-def _plain(which: str, a, y, g, rowptr, degree) -> torch.Tensor:
-    """The contraction ``which`` (``"A"``, ``"B"`` or ``"C"``) of the given inputs in PyTorch operations (for
-    gradients that the kernel cannot take: batched ones)."""
-    dst = torch.repeat_interleave(torch.arange(rowptr.shape[0] - 1, device=rowptr.device), rowptr.diff())
-    if which == "A":
-        terms = a.index_select(1, degree) * y[:, :, None]
-        return terms.new_zeros((rowptr.shape[0] - 1,) + terms.shape[1:]).index_add(0, dst, terms)
-    gathered = g.index_select(0, dst)  # [E, M, K]
-    if which == "B":
-        terms = gathered * y[:, :, None]
-        return terms.new_zeros(terms.shape[0], int(degree.numpy()[-1]) + 1, terms.shape[2]).index_add(1, degree, terms)
-    return (gathered * a.index_select(1, degree)).sum(2)
-
-
-class _Moments(torch.autograd.Function):
-    """:math:`A(a, y)`."""
+class _Contraction(torch.autograd.Function):
+    """The contraction of ``slot`` at the two other arguments ``u, v`` (in the order of
+    :data:`~e3attn.kernels.moments.SLOTS`). Its gradient for another slot is that slot's contraction with the
+    incoming gradient in ``slot``: one class for :math:`A`, :math:`B`, :math:`C` and all their derivatives."""
 
     @staticmethod
-    def forward(ctx, a, y, rowptr, degree):
-        ctx.save_for_backward(a, y, rowptr, degree)
-        return _run(a, y, None, rowptr, degree, True, False, False)[0]
-
-    @staticmethod
-    def backward(ctx, g):
-        a, y, rowptr, degree = ctx.saved_tensors
-        need_a, need_y = ctx.needs_input_grad[:2]
-        if not _plain_eager((g,)):
-            return (_plain("B", None, y, g, rowptr, degree) if need_a else None,
-                    _plain("C", a, None, g, rowptr, degree) if need_y else None, None, None)
-        if torch.is_grad_enabled():  # differentiable gradients: one function per contraction
-            return (_Adjoint.apply(g, y, rowptr, degree, "B") if need_a else None,
-                    _Adjoint.apply(g, a, rowptr, degree, "C") if need_y else None, None, None)
-        _, ga, gy = _run(a if need_y else None, y if need_a else None, g, rowptr, degree, False, need_a, need_y)
-        return ga, gy, None, None
-
-
-class _Adjoint(torch.autograd.Function):
-    """:math:`B(G, x)` (``which="B"``, :math:`x = y`) or :math:`C(G, x)` (``which="C"``, :math:`x = a`)."""
-
-    @staticmethod
-    def forward(ctx, g, x, rowptr, degree, which):
-        ctx.save_for_backward(g, x, rowptr, degree)
-        ctx.which = which
-        if which == "B":
-            return _run(None, x, g, rowptr, degree, False, True, False)[1]
-        return _run(x, None, g, rowptr, degree, False, False, True)[2]
+    def forward(ctx, slot, u, v, rowptr, degree):
+        ctx.save_for_backward(u, v, rowptr, degree)
+        ctx.slot = slot
+        return _run(**_arguments(slot, u, v, None), rowptr=rowptr, degree=degree, wanted=(slot,))[slot]
 
     @staticmethod
     def backward(ctx, h):
-        g, x, rowptr, degree = ctx.saved_tensors
-        need_g, need_x = ctx.needs_input_grad[:2]
-        # B(G, y): the gradients A(h, y) and C(G, h); C(G, a): A(a, h) and B(G, h)
-        if not _plain_eager((h,)):
-            a, y = (h, x) if ctx.which == "B" else (x, h)
-            return (_plain("A", a, y, None, rowptr, degree) if need_g else None,
-                    _plain("C" if ctx.which == "B" else "B", h, h, g, rowptr, degree) if need_x else None,
-                    None, None, None)
-        moments = (_Moments.apply(h, x, rowptr, degree) if ctx.which == "B" else _Moments.apply(x, h, rowptr, degree)
-                   ) if need_g else None
-        other = _Adjoint.apply(g, h, rowptr, degree, "C" if ctx.which == "B" else "B") if need_x else None
-        return moments, other, None, None, None
+        u, v, rowptr, degree = ctx.saved_tensors
+        others = [s for s in SLOTS if s != ctx.slot]
+        args = _arguments(ctx.slot, u, v, h)
+        wanted = tuple(s for s, need in zip(others, ctx.needs_input_grad[1:3]) if need)
+        if not _plain_eager((h,)):  # a batched gradient: in PyTorch operations, which autograd differentiates
+            dst = torch.repeat_interleave(torch.arange(rowptr.shape[0] - 1, device=rowptr.device), rowptr.diff())
+            grads = {s: contract(s, **args, dst=dst, num_nodes=rowptr.shape[0] - 1, degree=degree) for s in wanted}
+        elif torch.is_grad_enabled():  # differentiable gradients: one function per contraction
+            grads = {s: _Contraction.apply(s, *(args[t] for t in SLOTS if t != s), rowptr, degree) for s in wanted}
+        else:  # both gradients in one pass
+            grads = _run(**args, rowptr=rowptr, degree=degree, wanted=wanted)
+        return (None, *(grads.get(s) for s in others), None, None)
+
+
+def _arguments(slot: str, u, v, at_slot) -> Dict[str, Optional[torch.Tensor]]:
+    """The trilinear form's arguments by name: ``u, v`` in the slots other than ``slot``, ``at_slot`` in it."""
+    return dict(zip([s for s in SLOTS if s != slot], (u, v)), **{slot: at_slot})
 
 
 def angular_moments_csr(a: torch.Tensor, y: torch.Tensor, rowptr: torch.Tensor, degree: torch.Tensor) -> torch.Tensor:
     r"""The moments :math:`A(a, y)` ``[N, M, K]`` of ``a [E, L, K]`` and ``y [E, M]`` (float32 or float64 CPU
     tensors) for the edges sorted by destination (``rowptr [N + 1]``, checked); ``degree [M]``: :math:`l(m) - 1`
-    of every column of ``y``, rising (int64)."""
+    of every column of ``y``, rising (int64; its values checked once per tensor and version)."""
     if a.dim() != 3 or a.device.type != "cpu" or a.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"a must be a float32 or float64 CPU tensor [E, L, K], got {a.dtype} {list(a.shape)} on "
                          f"{a.device.type}")
-    rows = degree.numpy() if degree.dim() == 1 and degree.dtype == torch.int64 and degree.device.type == "cpu" else None
-    if rows is None or rows.shape[0] == 0 or rows[0] < 0 or rows[-1] != a.shape[1] - 1 or np.any(rows[1:] < rows[:-1]):
-        raise ValueError(f"degree must be a rising 1-d int64 tensor from 0 to {a.shape[1] - 1}, got {degree.tolist()}")
+    _check_degree(degree, a.shape[1])
     if y.dim() != 2 or tuple(y.shape) != (a.shape[0], degree.shape[0]) or y.dtype != a.dtype:
         raise ValueError(f"y must be a {a.dtype} tensor [{a.shape[0]}, {degree.shape[0]}], got {y.dtype} "
                          f"{list(y.shape)}")
     check_segments(rowptr, a.shape[0], rowptr.shape[0] - 1, a.device)
-    return _Moments.apply(a, y, rowptr, degree)
+    return _Contraction.apply("g", a, y, rowptr, degree)
+
+
+def _check_degree(degree: torch.Tensor, rows: int) -> None:
+    """``degree`` must rise from 0 to ``rows - 1`` (the kernel indexes ``a``'s rows by it without bounds checks)."""
+    key = ("degree", rows)
+    if degree.dim() == 1 and degree.dtype == torch.int64 and degree.device.type == "cpu":
+        if checked(degree, key) is not None:
+            return
+        values = degree.numpy()
+        if values.shape[0] and values[0] == 0 and values[-1] == rows - 1 and not np.any(np.diff(values) < 0):
+            remember(degree, key, True)
+            return
+    raise ValueError(f"degree must be a rising 1-d int64 tensor from 0 to {rows - 1}, got {degree.tolist()}")

@@ -6,6 +6,7 @@ from typing import Optional
 import torch
 
 from .. import kernels
+from ..kernels import moments
 from .._constants import Float64ConstantsModule
 from .._checks import check_dtype, check_edge_index, check_edge_vec, check_features, check_int
 from .._irreps import IrrepsLike, as_irreps
@@ -210,8 +211,7 @@ class NeighbourDensity(Float64ConstantsModule):
 
     def _plain_moments(self, a: torch.Tensor, y: torch.Tensor, dst: torch.Tensor, num_nodes: int) -> torch.Tensor:
         """:meth:`_moments` in PyTorch operations, on every edge's terms."""
-        terms = a.index_select(1, self._degree) * y[:, :, None]  # [E, (lmax + 1)^2 - 1, K_a]
-        return scatter_sum(terms.flatten(1), dst, num_nodes).view(num_nodes, -1, a.shape[2])
+        return moments.contract("g", a, y, None, dst, num_nodes, self._degree)
 
     def _plain_geometry(self, edge_vec: torch.Tensor, first_layer: torch.Tensor):
         """What :func:`~e3attn.edge_geometry.edge_geometry` computes, in PyTorch operations: the harmonics up to
