@@ -14,12 +14,13 @@ after the other in one process, and evaluated on the same held-out structures:
 With ``--organic NAME ...`` the data are instead the GFN2-xTB sets of ``benchmarks/organic_data.py``
 (``<--data>/<NAME>_train.xyz`` and ``_test.xyz``, keys ``REF_energy`` / ``REF_forces``): e3attn is trained by the
 training command, ``python -m e3attn.train`` in a process of its own with its defaults (or the options after
-``--``), 5% of the training file for validation, the best model by validation loss; the peer is trained on the
-same split with the same loop (:mod:`e3attn.train`), both within ``--time-budget`` seconds, and both are evaluated
-on the test file. With ``--mace-python PATH`` (the Python of an environment with mace-torch, which pins e3nn 0.4.4),
-MACE is trained and evaluated on the same files with its own commands, ``mace_run_train`` and
-``mace_eval_configs`` from that Python's folder, once per ``--mace-settings`` (``CHANNELSxMAX_L``), within the same
-budget (its epochs calibrated on a 2-epoch run, or ``--mace-epochs``); see ``benchmarks/mace_peer.py``.
+``--``; with ``--processes N``, as N DDP processes under torchrun sharing the ``--threads``), 5% of the training
+file for validation, the best model by validation loss; the peer is trained on the same split with the same loop
+(:mod:`e3attn.train`), both within ``--time-budget`` seconds, and both are evaluated on the test file. With
+``--mace-python PATH`` (the Python of an environment with mace-torch, which pins e3nn 0.4.4), MACE is trained and
+evaluated on the same files with its own commands, ``mace_run_train`` and ``mace_eval_configs`` from that Python's
+folder, once per ``--mace-settings`` (``CHANNELSxMAX_L``), within the same budget (its epochs calibrated on a
+2-epoch run, or ``--mace-epochs``); see ``benchmarks/mace_peer.py``.
 
 Prints a table and writes JSON (``--out``, default ``benchmarks/results/accuracy.json``) with the
 energy MAE (meV/atom), force MAE (meV/A), parameters, epochs and training time of each model.
@@ -31,6 +32,7 @@ Usage::
     python benchmarks/accuracy.py --quick      # seconds: tiny data and models (the test suite's smoke run)
     OMP_NUM_THREADS=2 python benchmarks/accuracy.py --organic aspirin ethanol --threads 2 --time-budget 600 \
         --mace-python /path/to/mace-venv/bin/python --mace-settings 32x1 64x0 16x2
+    python benchmarks/accuracy.py --organic ethanol --threads 2 --processes 2 --models e3attn   # two DDP processes
 """
 from __future__ import annotations
 
@@ -174,6 +176,9 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     p.add_argument("--time-budget", type=float, default=240.0, help="training seconds per model")
     p.add_argument("--epochs", type=opt.positive_int, default=1000, help="at most this many epochs per model")
     p.add_argument("--threads", type=opt.positive_int, default=1, help="torch.set_num_threads")
+    p.add_argument("--processes", type=opt.positive_int, default=1,
+                   help="with --organic: e3attn's training command as this many DDP processes under torchrun "
+                        "(--ddp, each with --threads / --processes threads; default 1: one process with --threads)")
     p.add_argument("--peer-hidden", default="32x0e + 16x1o + 8x2e", help="hidden irreps of the NequIP-style peer")
     p.add_argument("--peer-layers", type=int, default=2)
     p.add_argument("--peer-lmax", type=int, default=2)
@@ -193,6 +198,10 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     p.add_argument("--mace-radius", type=float, default=5.0, help="MACE's --r_max (default 5.0, its own default)")
     args = p.parse_args(own)
     opt.check_files(p, results={"--out": args.out})
+    if args.threads % args.processes:
+        p.error(f"argument --processes: must divide --threads ({args.threads}), got {args.processes}")
+    if args.processes > 1 and not args.organic:
+        p.error("argument --processes: only with --organic (the training command's --ddp)")
     if args.mace_python is not None and not (args.organic and (args.mace_python.parent / "mace_run_train").exists()):
         p.error("--mace-python needs --organic and a Python whose folder has mace_run_train")
     args.models = args.models or ["e3attn", "nequip"] + (["mace"] if args.mace_python else [])
@@ -231,14 +240,18 @@ def training_command(name: str, args) -> List[str]:
     return options + args.passed
 
 
-def run_command(options: List[str], threads: int) -> dict:
-    """Run ``python -m e3attn.train options`` in its own process (this checkout's e3attn); returns its metrics."""
+def run_command(options: List[str], threads: int, processes: int = 1) -> dict:
+    """Run ``python -m e3attn.train options`` in its own process (this checkout's e3attn), or as ``processes`` DDP
+    processes under torchrun (``--standalone``: on this machine, a free port) sharing ``threads``; returns its
+    metrics (rank 0's)."""
+    launcher = [sys.executable, "-m", "e3attn.train"] if processes == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+        "-m", "e3attn.train", "--ddp"]
     with tempfile.TemporaryDirectory() as folder:
         metrics = Path(folder) / "metrics.json"
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads),
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads // processes),
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        done = subprocess.run([sys.executable, "-m", "e3attn.train", *options, "--metrics", str(metrics)], env=env,
-                              capture_output=True, text=True)
+        done = subprocess.run([*launcher, *options, "--metrics", str(metrics)], env=env, capture_output=True, text=True)
         if done.returncode != 0:
             raise SystemExit(f"e3attn-train failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
         print(done.stdout.strip(), flush=True)
@@ -255,7 +268,7 @@ def organic_rows(args) -> List[dict]:
         options = training_command(name, args)
         for model_name in (m for m in args.models if m != "mace"):
             if model_name == "e3attn":
-                metrics = run_command(options, args.threads)
+                metrics = run_command(options, args.threads, args.processes)
                 params = metrics["parameters"]
             else:
                 command = cli.parse_args(options)
@@ -272,6 +285,7 @@ def organic_rows(args) -> List[dict]:
                            "test": {k: v for k, v in test.items() if not k.startswith(("true_", "pred_"))}}
                 params = sum(p.numel() for p in model.parameters())
             rows.append({"molecule": name, "model": model_name, "parameters": params, "epochs": metrics["epochs"],
+                         "processes": args.processes if model_name == "e3attn" else 1,
                          "train_seconds": metrics["train_seconds"], "num_train": metrics["num_train"],
                          "num_test": metrics["test"]["num_structures"],
                          "energy_mae_meV_per_atom": metrics["test"]["energy_mae_meV_per_atom"],
@@ -299,7 +313,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         if args.quick:
             args.peer_hidden, args.peer_layers = "4x0e + 2x1o", 1
         report = {"meta": {"machine": cpu_name(), "python": platform.python_version(), "torch": torch.__version__,
-                           "threads": args.threads, "time_budget_s": args.time_budget, "data": str(args.data),
+                           "threads": args.threads, "e3attn_processes": args.processes,
+                           "time_budget_s": args.time_budget, "data": str(args.data),
                            "training_command_options": args.passed, "load_average_start": os.getloadavg(),
                            "peer": {"hidden": args.peer_hidden, "layers": args.peer_layers, "lmax": args.peer_lmax}},
                   "results": organic_rows(args)}

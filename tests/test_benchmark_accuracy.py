@@ -55,6 +55,34 @@ def test_quick_organic_run_trains_with_the_command_and_the_peer_on_the_same_spli
         assert math.isfinite(row["force_mae_meV_per_A"]) and row["force_mae_meV_per_A"] > 0
 
 
+@pytest.mark.slow
+def test_quick_organic_run_of_the_command_as_two_ddp_processes(bench, tmp_path, monkeypatch):
+    """``--processes 2``: the training command as two DDP processes under torchrun, one thread each."""
+    from ase.io import write
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parents[1] / "tests"))
+    from test_train import frames
+
+    write(tmp_path / "tiny_train.xyz", frames(12, 0, ref_keys=True))
+    write(tmp_path / "tiny_test.xyz", frames(4, 1, ref_keys=True))
+    report = bench.main(["--organic", "tiny", "--data", str(tmp_path), "--quick", "--time-budget", "60",
+                         "--models", "e3attn", "--threads", "2", "--processes", "2", "--out", str(tmp_path / "o.json")])
+    (row,) = report["results"]
+    assert row["processes"] == 2 and report["meta"]["e3attn_processes"] == 2
+    assert row["epochs"] == 2 and row["num_train"] == 9 and row["num_test"] == 4
+    assert math.isfinite(row["force_mae_meV_per_A"]) and row["force_mae_meV_per_A"] > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--organic", "tiny", "--threads", "3", "--processes", "2"], "--processes: must divide --threads (3), got 2"),
+    (["--threads", "2", "--processes", "2"], "--processes: only with --organic"),
+])
+def test_bad_processes_get_one_line_and_status_2(bench, tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(argv + ["--data", str(tmp_path)])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
 def peer(bench):
     torch.manual_seed(0)
     return bench.NequIPStyle(3, "4x0e + 2x0o + 2x1o + 2x1e", 1.6, num_layers=2, lmax=2).double()
