@@ -6,7 +6,9 @@ call of the same model with frozen weights (as the calculator calls it), today a
   blocks (``e3attn.edge_geometry.shared_edge_geometry``);
 * ``moments``: the angular densities' moments in PyTorch operations on every edge's terms instead of on their
   kernel (``e3attn.kernels.moments_ops``);
-* ``adam``: PyTorch's Adam with its loop over the parameters instead of fused (``e3attn.train.adam``).
+* ``adam``: PyTorch's Adam with its loop over the parameters instead of fused (``e3attn.train.adam``);
+* ``checks``: the node kernels' arguments checked again in every call that their backward formulas make, instead
+  of once, in the forward (``e3attn.kernels.segment_ops``).
 
 The model is that of ``e3attn-train`` with its defaults (``--`` passes other model options, e.g. ``-- --heads 4``);
 the batches hold ``--batch-size`` copies of an ASE molecule (``--molecule``, default ethanol) with random
@@ -47,6 +49,7 @@ from e3attn.models import energy_and_forces  # noqa: E402
 from e3attn.train import cli, collate, to_sample  # noqa: E402
 from e3attn.train import options as opt  # noqa: E402
 from e3attn.train.data import mean_neighbors  # noqa: E402
+from e3attn.kernels import segment_ops  # noqa: E402
 from e3attn.models.density import NeighbourDensity  # noqa: E402
 from e3attn.train.loop import adam  # noqa: E402
 from e3attn.train.model import build_model, check_model_options, loss_fn, predict  # noqa: E402
@@ -54,24 +57,40 @@ from e3attn.train.model import build_model, check_model_options, loss_fn, predic
 LOSS = dict(force_weight=cli.TRAINING_DEFAULTS["force_weight"], loss=cli.TRAINING_DEFAULTS["loss"])
 """The loss of the training command (its force weight and the Huber loss)."""
 BASELINES = {"geometry": ("per-layer", "shared"), "moments": ("plain moments", "moments kernel"),
-             "adam": ("Adam loop", "fused Adam")}
+             "adam": ("Adam loop", "fused Adam"), "checks": ("checked in backward", "checked in forward")}
 """The two settings that each ``--baseline`` compares: before, today."""
+
+
+class _NeverTrusted:
+    """In place of ``segment_ops._TRUSTED``: a flag that the backward formulas set in vain."""
+
+    def get(self) -> bool:
+        return False
+
+    def set(self, value: bool) -> None:
+        return None
+
+    def reset(self, token: None) -> None:
+        return None
 
 
 @contextlib.contextmanager
 def setting(name: str):
     """The model as it is, or with the part that setting ``name`` names as it was before: every attention layer
-    and density channel computing its own edge geometry, or the moments in PyTorch operations. (The optimizer,
-    ``"Adam loop"``, is chosen by the caller.)"""
-    shared, moments = transformer.shared_edge_geometry, NeighbourDensity._moments
+    and density channel computing its own edge geometry, the moments in PyTorch operations, or the node kernels'
+    backward formulas checking the arguments of every call. (The optimizer, ``"Adam loop"``, is chosen by the
+    caller.)"""
+    shared, moments, trusted = transformer.shared_edge_geometry, NeighbourDensity._moments, segment_ops._TRUSTED
     if name == "per-layer":
         transformer.shared_edge_geometry = lambda edge_vec, layers: [None] * len(layers)
     if name == "plain moments":
         NeighbourDensity._moments = NeighbourDensity._plain_moments
+    if name == "checked in backward":
+        segment_ops._TRUSTED = _NeverTrusted()
     try:
         yield
     finally:
-        transformer.shared_edge_geometry, NeighbourDensity._moments = shared, moments
+        transformer.shared_edge_geometry, NeighbourDensity._moments, segment_ops._TRUSTED = shared, moments, trusted
 
 
 def batches(name: str, batch_size: int, count: int, max_radius: float, seed: int = 0):

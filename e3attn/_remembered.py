@@ -5,19 +5,22 @@ index tensors it is given (``rowptr`` rising, ``index`` within the rows, the blo
 model reuses the same tensors for all its layers and both directions, and the block tables for every call: each
 check runs once per tensor and version. The version counter sees every in-place change made through PyTorch;
 it does not see writes through ``.data``, through a NumPy view (``.numpy()``) or to the array behind
-``torch.from_numpy``: change a tensor that way and it is not checked again. The notes live in a weak dictionary
-keyed by the tensors' identity: nothing is added to the tensors or their pickles, and a note goes with its tensor.
+``torch.from_numpy``: change a tensor that way and it is not checked again. The notes live in a dictionary keyed by
+the tensors' identity, each with a weak reference to its tensor: nothing is added to the tensors or their pickles,
+and a note goes with its tensor. A lookup costs a dictionary access (kernels look up their index tensors on every
+call).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import weakref
+from typing import Any, Dict, Optional, Tuple
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["checked", "remember"]
 
-_NOTES = WeakIdKeyDictionary()  # tensor -> (its version, the check, its result), while the tensor lives
+# id(tensor) -> (a weak reference to it, its version, the check, its result), while the tensor lives
+_NOTES: Dict[int, Tuple[weakref.ref, int, Any, Any]] = {}
 
 
 def checked(t: torch.Tensor, key: Any) -> Optional[Any]:
@@ -34,8 +37,8 @@ def checked(t: torch.Tensor, key: Any) -> Optional[Any]:
         >>> checked(t, "rising") is None
         True
     """
-    note = _NOTES.get(t)
-    return note[2] if note is not None and note[0] == t._version and note[1] == key else None
+    note = _NOTES.get(id(t))
+    return note[3] if note is not None and note[0]() is t and note[1] == t._version and note[2] == key else None
 
 
 def remember(t: torch.Tensor, key: Any, value: Any) -> None:
@@ -43,4 +46,12 @@ def remember(t: torch.Tensor, key: Any, value: Any) -> None:
     Plain tensors with a version counter only (others are checked every time: tensor subclasses, compile-time
     and inference tensors)."""
     if type(t) is torch.Tensor and not t.is_inference():
-        _NOTES[t] = (t._version, key, value)
+        identity = id(t)
+        _NOTES[identity] = (weakref.ref(t, lambda ref: _forget(identity, ref)), t._version, key, value)
+
+
+def _forget(identity: int, ref: weakref.ref) -> None:
+    """Drop the note of a tensor that is gone (unless the note is already another tensor's of the same identity)."""
+    note = _NOTES.get(identity)
+    if note is not None and note[0] is ref:
+        del _NOTES[identity]

@@ -14,7 +14,7 @@ def bench():
     return load_script("benchmarks/train_step.py")
 
 
-@pytest.mark.parametrize("baseline", ["geometry", "moments", "adam"])
+@pytest.mark.parametrize("baseline", ["geometry", "moments", "adam", "checks"])
 def test_quick_run_writes_the_table_and_json(bench, tmp_path, capsys, baseline):
     out = tmp_path / "r.json"
     report = bench.main(["--quick", "--molecule", "H2O", "--batch-size", "2", "--out", str(out), "--baseline",
@@ -41,6 +41,14 @@ def test_the_settings_are_the_model_without_the_part_and_are_restored(bench):
         assert NeighbourDensity._moments is NeighbourDensity._plain_moments
         assert transformer.shared_edge_geometry is shared
     assert transformer.shared_edge_geometry is shared and NeighbourDensity._moments is moments
-    for name in ("shared", "moments kernel", "fused Adam", "Adam loop"):
+    from e3attn.kernels import segment_ops
+
+    trusted = segment_ops._TRUSTED
+    with bench.setting("checked in backward"):
+        segment_ops._TRUSTED.set(True)
+        assert not segment_ops._TRUSTED.get()  # the backward formulas' flag stays off: they check every call
+    assert segment_ops._TRUSTED is trusted and not trusted.get()
+    for name in ("shared", "moments kernel", "fused Adam", "Adam loop", "checked in forward"):
         with bench.setting(name):
             assert transformer.shared_edge_geometry is shared and NeighbourDensity._moments is moments
+            assert segment_ops._TRUSTED is trusted

@@ -297,6 +297,52 @@ def test_node_operators_check_again_what_changed_in_place(backend):
         segment_ops.path_features(tp._spec, torch.randn(1, 2), index, torch.randn(2, 4))
 
 
+def test_node_operators_check_their_arguments_in_the_forward_only(monkeypatch, float64_default):
+    """The backward formulas call the operators on the forward's checked inputs and on gradients of its outputs:
+    no check runs again in them, to the second derivative, and checking is on again afterwards."""
+    calls = {"node": 0, "paths": 0}
+
+    def counted(name, check):
+        def run(*args):
+            calls[name] += 1
+            return check(*args)
+        return run
+
+    monkeypatch.setattr(segment_ops, "node_arguments", counted("node", segment_ops.node_arguments))
+    monkeypatch.setattr(segment_ops, "check_shape", counted("paths", segment_ops.check_shape))  # path features
+    layer = EquivariantAttention("4x0e + 2x1o", "4x0e + 2x1o", "4x0e + 2x1o", "4x0e + 2x1o", 1.3, num_heads=2)
+    pos = torch.randn(9, 3, requires_grad=True)
+    f = layer.irreps_input.randn(9, -1)
+    out = layer(f, pos)
+    forward = dict(calls)
+    assert forward["node"] > 0 and forward["paths"] > 0
+    (forces,) = torch.autograd.grad(out.pow(2).sum(), pos, create_graph=True)
+    forces.pow(2).sum().backward()  # the second derivatives: the backward formulas' own backward formulas
+    assert calls == forward
+    assert pos.grad.abs().max() > 0 and not segment_ops._TRUSTED.get()
+    y, _, z, lt = (t.detach() for t in _operands())
+    segment_ops.node_expand(y, None, z, lt, BLOCKS, _graph()[0], DIMS)  # a call of its own: checked
+    assert calls["node"] == forward["node"] + 1
+
+
+def test_remembered_notes_go_with_their_tensor():
+    import gc
+    import weakref
+
+    from e3attn import _remembered
+
+    t = torch.arange(4)
+    _remembered.remember(t, "rising", True)
+    assert _remembered.checked(t, "rising") is True
+    identity = id(t)
+    del t
+    gc.collect()
+    assert identity not in _remembered._NOTES  # no note outlives its tensor
+    u, other = torch.arange(4), torch.arange(4)
+    _remembered._NOTES[id(u)] = (weakref.ref(other), u._version, "rising", True)  # another tensor's note at u's id
+    assert _remembered.checked(u, "rising") is None
+
+
 LAYERS = [
     (("10x0e + 5x1o", "11x0e + 4x1o", "12x0e + 3x1o", "14x0e + 6x1o"), 1, 3, "sqrt_alpha"),
     (("4x0e + 2x1o + 2x2e", "4x0e + 2x1o", "2x0e + 4x1o + 2x2e", "6x0e + 2x1o + 4x2e + 2x1e"), 2, 2, "alpha"),

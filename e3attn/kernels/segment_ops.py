@@ -32,6 +32,8 @@ registered operators.
 """
 from __future__ import annotations
 
+import contextvars
+import functools
 from typing import Callable, List, Optional, Tuple
 
 import numpy as np
@@ -43,12 +45,15 @@ from .backends import backend
 from .cpu import _array, _forward_groups
 from .layout import component_major_paths, layout_for, padded_paths
 from .._remembered import checked, remember
-from .segment_checks import check_shape, common_dtype, node_arguments
+from .segment_checks import check_blocks, check_shape, common_dtype, node_arguments
 from .threads import groups_for, parallel, reduction_groups
 
 __all__ = ["call", "node_expand", "node_outer", "path_features", "path_features_backward"]
 
 _TILE = 64  # edges per tile of the path features (longer tiles measured slower: the tile leaves the cache)
+# set while a backward formula of this module runs: the operators it calls take the forward's checked inputs and
+# gradients of the forward's outputs (autograd gives those their shapes, dtypes and devices), checked no further
+_TRUSTED = contextvars.ContextVar("e3attn_segment_arguments_trusted", default=False)
 
 
 def _node_groups(rowptr: torch.Tensor, work: int) -> int:
@@ -67,9 +72,11 @@ def _node_pass(y, a, z, lt, blocks, rowptr, dims, needs) -> Tuple[torch.Tensor, 
     :math:`\sum_i \langle E(z_i, L), U_i \rangle`; summed per group of nodes, in order, the groups set by
     the work alone: :func:`~e3attn.kernels.threads.reduction_groups`). On the backend
     of the tensors' device (:func:`e3attn.kernels.backend`)."""
-    table = node_arguments(a, y, z, lt, blocks, rowptr, dims)
     ref = next(t for t in (y, a, z) if t is not None)
-    if backend(ref.device) == "triton":
+    on_triton = backend(ref.device) == "triton"
+    table = (check_blocks(blocks, dims) if on_triton else None) if _TRUSTED.get() else node_arguments(
+        a, y, z, lt, blocks, rowptr, dims)
+    if on_triton:
         from . import segments_triton  # imports triton: only where it runs
 
         return segments_triton.node_pass(y, a, z, lt, table, rowptr, dims, needs)
@@ -119,8 +126,11 @@ def _(a, y, lt, z, blocks, rowptr, dims):
 
 
 def _path_arguments(spec: str, x: torch.Tensor, index: torch.Tensor, sh: torch.Tensor) -> bool:
-    """Check what the kernels rely on (on a GPU, ``index``'s values are not read: the layer builds it); whether the
-    Triton backend runs them (:func:`e3attn.kernels.backend`)."""
+    """Check what the kernels rely on (on a GPU, ``index``'s values are not read: the layer builds it; nothing in a
+    backward formula of this module, ``_TRUSTED``); whether the Triton backend runs them
+    (:func:`e3attn.kernels.backend`)."""
+    if _TRUSTED.get():
+        return backend(sh.device) == "triton"
     layout = layout_for(spec)
     if x.dim() != 2 or x.shape[1] <= int(layout.path_x.max(initial=-1)):
         raise ValueError(f"x has the wrong shape for this product: {list(x.shape)}")
@@ -174,8 +184,9 @@ def _path_features_backward(spec: str, x: torch.Tensor, index: torch.Tensor, sh:
                            needs: List[bool]) -> Tuple[torch.Tensor, torch.Tensor]:
     """The gradients of ``x`` ``[N, in]`` and ``sh`` ``[E, sh]`` flagged in ``needs`` (others empty)."""
     on_triton = _path_arguments(spec, x, index, sh)
-    check_shape("grad", grad, (sh.shape[0], padded_paths(layout_for(spec).num_paths)), sh.device)
-    common_dtype(x=x, grad=grad)
+    if not _TRUSTED.get():
+        check_shape("grad", grad, (sh.shape[0], padded_paths(layout_for(spec).num_paths)), sh.device)
+        common_dtype(x=x, grad=grad)
     if on_triton:
         from . import paths_triton  # imports triton: only where it runs
 
@@ -209,6 +220,22 @@ def _(spec, x, index, sh, grad, needs):
 # ---------------------------------------------------------------------- autograd: the gradients of each are the others
 
 
+def _trusting(backward: Callable) -> Callable:
+    """``backward`` with the argument checks of this module's operators skipped while it runs (``_TRUSTED``). The
+    operators that it records for a higher derivative are differentiated by these formulas too, on what they were
+    given: nothing is checked after the forward."""
+
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        token = _TRUSTED.set(True)
+        try:
+            return backward(ctx, *grads)
+        finally:
+            _TRUSTED.reset(token)
+
+    return run
+
+
 def _save_node(ctx, inputs, output) -> None:
     ctx.save_for_backward(*inputs[:6])
     ctx.dims = inputs[6]
@@ -229,6 +256,7 @@ def _first_order(*tensors: Optional[torch.Tensor]) -> bool:
     return not torch.is_grad_enabled() and _eager_mode(tensors)
 
 
+@_trusting
 def _expand_backward(ctx, gt, gr):
     r"""For :math:`t = D(y, Q)`, :math:`r = C(a, Q)`, :math:`Q = E(z, L)`: :math:`\partial_y = C(g_t, Q)`,
     :math:`\partial_a = D(g_r, Q)` (one call), and :math:`\partial_{z, L}` from :math:`U = O(g_t, y) + O(a, g_r)`."""
@@ -251,6 +279,7 @@ def _expand_backward(ctx, gt, gr):
     return gy, ga, gz, glt, None, None, None
 
 
+@_trusting
 def _outer_backward(ctx, go, gg):
     r"""For :math:`o = R(U, L)`, :math:`g = X(U, z)`, :math:`U = O(a, y)`: with :math:`W = E(g_o, L) + E(z, g_g)`,
     :math:`\partial_a = D(y, W)`, :math:`\partial_y = C(a, W)`, and :math:`\partial_L = X(U, g_o)`,
@@ -284,6 +313,7 @@ def _save_paths(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)  # e.g. in force training, the features' gradient is not in the loss
 
 
+@_trusting
 def _paths_backward(ctx, grad):
     x, index, sh = ctx.saved_tensors
     needs = [ctx.needs_input_grad[1], ctx.needs_input_grad[3]]
@@ -298,6 +328,7 @@ def _save_paths_backward(ctx, inputs, output) -> None:
     ctx.needs = inputs[5]
 
 
+@_trusting
 def _paths_backward_backward(ctx, vx, vsh):
     r"""For the gradients :math:`(v_x, v_Y)` arriving at :math:`(P_x^T(g; Y), P_Y^T(g; x))`:
     :math:`\partial_g = P(v_x, Y) + P(x, v_Y)`, :math:`\partial_x = P_x^T(g; v_Y)`,
