@@ -127,3 +127,59 @@ def test_training_command_under_ddp(tmp_path):
     assert first["best_epoch"] == second["best_epoch"]  # the validation losses are synchronised
     assert "test" in first and "test" not in second  # rank 0 evaluates and writes
     assert E3AttnCalculator.from_checkpoint(tmp_path / "model.pt").species == ["Cu"]
+
+
+def _water_samples(count: int, seed: int):
+    """``count`` displaced water molecules with random labels, float64."""
+    from ase.build import molecule
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    from e3attn.train import to_sample
+
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(count):
+        atoms = molecule("H2O")
+        atoms.positions += 0.1 * torch.randn(3, 3, generator=gen, dtype=torch.float64).numpy()
+        atoms.calc = SinglePointCalculator(atoms, energy=float(torch.randn(1, generator=gen, dtype=torch.float64)),
+                                           forces=torch.randn(3, 3, generator=gen, dtype=torch.float64).numpy())
+        samples.append(to_sample(atoms, ["H", "O"], 2.0))
+    return samples
+
+
+def validation_replica(rank: int, world_size: int, port: int, folder: str) -> None:
+    """One process of a sharded validation: the loss of several validation sets, with and without ``ddp``."""
+    import json
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    torch.set_default_dtype(torch.float64)
+    from e3attn.models import EquivariantTransformer
+    from e3attn.train import fit_references
+    from e3attn.train.loop import validation_loss
+
+    torch.manual_seed(0)
+    model = EquivariantTransformer("1x0e", "8x0e + 4x1o", "0e", 2.0, irreps_node_attr="2x0e", reduce="sum")
+    losses = {}
+    for count in (5, 37):  # one batch of 16 or fewer (the second process evaluates nothing); batches 16, 16, 5
+        samples = _water_samples(count, seed=count)
+        units = fit_references(samples, ["H", "O"])
+        weights = {"force_weight": 10.0, "loss": "huber", "huber_delta": 0.5}
+        losses[count] = [validation_loss(model, samples, units, "cpu", weights=weights, ddp=ddp) for ddp in (True, False)]
+    dist.destroy_process_group()
+    with open(f"{folder}/rank{rank}.json", "w") as file:
+        json.dump(losses, file)
+
+
+@pytest.mark.slow
+def test_validation_shared_out_over_processes(tmp_path):
+    import json
+
+    spawn(validation_replica, (2, free_port(), str(tmp_path)))
+    first, second = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    for count in ("5", "37"):
+        sharded, whole = first[count]
+        assert second[count][0] == sharded  # every process gets the same value (the best epoch alike)
+        assert second[count][1] == whole
+        assert whole > 0 and abs(sharded - whole) <= 1e-12 * whole

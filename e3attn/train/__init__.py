@@ -13,11 +13,11 @@ Its parts are importable for your own scripts (``examples/molecules.py`` uses th
 Reading files needs ASE (``pip install 'e3attn[train]'``: ASE, tqdm for the progress bar, PyYAML for ``--config``).
 """
 from .data import DataError, LabelKeys, collate, fit_references, read_structures, to_sample
-from .loop import FitResult, WeightAverage, adam, fit, init_distributed
+from .loop import FitResult, WeightAverage, adam, fit, init_distributed, validation_loss
 from .model import build_model, check_model_options, evaluate, loss_fn, loss_options, predict
 
 __all__ = [
     "DataError", "LabelKeys", "collate", "fit_references", "read_structures", "to_sample",
     "FitResult", "WeightAverage", "adam", "fit", "init_distributed", "build_model", "check_model_options", "evaluate",
-    "loss_fn", "loss_options", "predict",
+    "loss_fn", "loss_options", "predict", "validation_loss",
 ]

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from .data import collate
 from .model import evaluate, loss_fn, loss_options, predict, to_device
 
-__all__ = ["FitResult", "WeightAverage", "adam", "fit", "init_distributed", "synced_max", "progress"]
+__all__ = ["FitResult", "WeightAverage", "adam", "fit", "init_distributed", "synced_max", "progress", "validation_loss"]
 
 
 class FitResult(NamedTuple):
@@ -55,6 +55,41 @@ def synced_max(value: float, ddp: bool, device) -> float:
     tensor = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor.item()
+
+
+def validation_loss(model: torch.nn.Module, samples: Sequence[dict], units: dict, device, amp: bool = False,
+                    weights: Optional[dict] = None, ddp: bool = False, batch_size: int = 16) -> float:
+    r"""The mean loss of :func:`~e3attn.train.evaluate` on ``samples`` (its batches of ``batch_size``), shared out
+    with ``ddp``: process :math:`r` of :math:`W` evaluates the batches :math:`r, r + W, \dots` and the sums
+    :math:`\sum_b n_b L_b` over the batches (:math:`n_b` structures, mean loss :math:`L_b`) are added up over
+    the processes, so every process returns the same :math:`\sum_b n_b L_b / \sum_b n_b`, the value of one process
+    evaluating them all (to the rounding of the sums), in :math:`1/W` of its time. Without ``ddp``, that value
+    itself.
+
+    Example::
+
+        >>> from ase.build import molecule
+        >>> from ase.calculators.singlepoint import SinglePointCalculator
+        >>> from e3attn.models import EquivariantTransformer
+        >>> from e3attn.train import evaluate, fit_references, to_sample
+        >>> atoms = molecule("H2O")
+        >>> atoms.calc = SinglePointCalculator(atoms, energy=-14.0, forces=torch.ones(3, 3).numpy())
+        >>> samples = [to_sample(atoms, ["H", "O"], 2.0)] * 3
+        >>> model = EquivariantTransformer("1x0e", "8x0e + 4x1o", "0e", 2.0, irreps_node_attr="2x0e", reduce="sum")
+        >>> units = fit_references(samples, ["H", "O"])
+        >>> validation_loss(model, samples, units, "cpu") == evaluate(model, samples, units, "cpu")["loss"]
+        True
+    """
+    if not ddp:
+        return evaluate(model, samples, units, device, amp, batch_size, weights)["loss"]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = [samples[start : start + batch_size] for start in range(0, len(samples), batch_size)]
+    # this process's batches, whole and in order: evaluate makes the same batches of them again
+    mine = [sample for batch in batches[rank::world] for sample in batch]
+    total = evaluate(model, mine, units, device, amp, batch_size, weights)["loss"] * len(mine) if mine else 0.0
+    summed = torch.tensor([total], dtype=torch.float64, device=device)
+    dist.all_reduce(summed)
+    return summed.item() / len(samples)
 
 
 def progress(args: argparse.Namespace, epochs_done: float, seconds: float) -> float:
@@ -157,7 +192,8 @@ def fit(model: torch.nn.Module, train_set: Sequence[dict], units: dict, args: ar
     with ``args.seed``, the loss :func:`~e3attn.train.loss_fn` with the options that
     :func:`~e3attn.train.loss_options` reads from ``args`` (``args.force_weight``, ``args.energy_weight``, and where
     ``args`` has them ``args.stress_weight``, ``args.loss``, ``args.huber_delta``), for validation too. With
-    ``args.time_budget`` no epoch starts that would not end within it (validation included). With ``args.ema``
+    ``args.time_budget`` no epoch starts that would not end within it (validation included). With ``args.ddp`` the
+    processes share out the validation set (:func:`validation_loss`). With ``args.ema``
     :math:`> 0` the validation, the model kept and the model returned are those of the moving average of the
     weights (:class:`WeightAverage`).
 
@@ -214,8 +250,7 @@ def fit(model: torch.nn.Module, train_set: Sequence[dict], units: dict, args: ar
             plateau.step(synced_max(losses[-1], args.ddp, device))
         if valid_set:
             with average.swapped_in():
-                valid_loss = evaluate(module, valid_set, units, device, args.amp, weights=weights)["loss"]
-                valid_losses.append(synced_max(valid_loss, args.ddp, device))
+                valid_losses.append(validation_loss(module, valid_set, units, device, args.amp, weights, args.ddp))
                 if valid_losses[-1] < best[0]:
                     best = (valid_losses[-1], epoch + 1, {k: v.detach().clone() for k, v in module.state_dict().items()})
         epoch_time = synced_max(time.perf_counter() - start, args.ddp, device) - elapsed
