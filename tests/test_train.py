@@ -333,3 +333,12 @@ def test_the_loss_options_reach_training_and_validation(data, monkeypatch):
         valid_set=samples[15:])
     assert len(seen) == 3 + 1  # three training steps, one validation batch
     assert all(k["loss"] == "huber" and k["huber_delta"] == 0.3 for k in seen)
+
+
+def test_validation_loss_refuses_an_empty_set():
+    from e3attn.models import EquivariantTransformer
+    from e3attn.train import validation_loss
+
+    model = EquivariantTransformer("1x0e", "8x0e + 4x1o", "0e", 2.0, irreps_node_attr="2x0e", reduce="sum")
+    with pytest.raises(ValueError, match="samples: no structures"):
+        validation_loss(model, [], {"species": ["H", "O"], "energy_references": [0.0, 0.0], "energy_scale": 1.0}, "cpu")

@@ -80,6 +80,8 @@ def validation_loss(model: torch.nn.Module, samples: Sequence[dict], units: dict
         >>> validation_loss(model, samples, units, "cpu") == evaluate(model, samples, units, "cpu")["loss"]
         True
     """
+    if len(samples) == 0:
+        raise ValueError("samples: no structures to validate on (an empty validation set)")
     if not ddp:
         return evaluate(model, samples, units, device, amp, batch_size, weights)["loss"]
     rank, world = dist.get_rank(), dist.get_world_size()
