@@ -40,6 +40,7 @@ import json
 import math
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -240,10 +241,11 @@ def training_command(name: str, args) -> List[str]:
     return options + args.passed
 
 
-def run_command(options: List[str], threads: int, processes: int = 1) -> dict:
+def run_command(options: List[str], threads: int, processes: int = 1, seconds: Optional[float] = None) -> dict:
     """Run ``python -m e3attn.train options`` in its own process (this checkout's e3attn), or as ``processes`` DDP
     processes under torchrun (``--standalone``: on this machine, a free port) sharing ``threads``; returns its
-    metrics (rank 0's)."""
+    metrics (rank 0's). With ``seconds``, a run that has not ended by then is stopped (all its processes) and
+    reported, rather than left to hang the benchmark."""
     launcher = [sys.executable, "-m", "e3attn.train"] if processes == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
         "-m", "e3attn.train", "--ddp"]
@@ -251,11 +253,26 @@ def run_command(options: List[str], threads: int, processes: int = 1) -> dict:
         metrics = Path(folder) / "metrics.json"
         env = dict(os.environ, OMP_NUM_THREADS=str(threads // processes),
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        done = subprocess.run([*launcher, *options, "--metrics", str(metrics)], env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise SystemExit(f"e3attn-train failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
-        print(done.stdout.strip(), flush=True)
+        # a session of its own: a timeout stops torchrun's workers with it
+        process = subprocess.Popen([*launcher, *options, "--metrics", str(metrics)], env=env, text=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        try:
+            stdout, stderr = process.communicate(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            state = "after writing its metrics" if metrics.exists() else "before writing its metrics"
+            raise SystemExit(f"e3attn-train did not end within {seconds:.0f} s ({state}); stopped") from None
+        if process.returncode != 0:
+            raise SystemExit(f"e3attn-train failed ({process.returncode}): {stderr.strip()[-2000:]}")
+        print(stdout.strip(), flush=True)
         return json.loads(metrics.read_text())
+
+
+def command_seconds(args) -> Optional[float]:
+    """How long a run of the training command may take in all: its ``--time-budget`` twice (the data read, the
+    evaluation of the test file and a loaded machine on top) and 10 minutes; no limit without a budget."""
+    return 2 * args.time_budget + 600.0 if args.time_budget else None
 
 
 def organic_rows(args) -> List[dict]:
@@ -268,7 +285,7 @@ def organic_rows(args) -> List[dict]:
         options = training_command(name, args)
         for model_name in (m for m in args.models if m != "mace"):
             if model_name == "e3attn":
-                metrics = run_command(options, args.threads, args.processes)
+                metrics = run_command(options, args.threads, args.processes, command_seconds(args))
                 params = metrics["parameters"]
             else:
                 command = cli.parse_args(options)

@@ -163,6 +163,7 @@ def train(args):
     if args.ddp:
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     losses, _, train_time, _ = fit(model, train_set, units, args, device, rank, world)
+    del model  # a DDP wrapper holds the process group: it goes before the group's teardown below, never after
 
     result = evaluate(module, test_set, units, device, args.amp)
     metrics = {

@@ -73,6 +73,15 @@ def test_quick_organic_run_of_the_command_as_two_ddp_processes(bench, tmp_path, 
     assert math.isfinite(row["force_mae_meV_per_A"]) and row["force_mae_meV_per_A"] > 0
 
 
+def test_a_training_command_past_its_time_is_stopped_and_reported(bench, tmp_path):
+    """A run of the command that does not end in time (a hang) stops the benchmark with one message, its process
+    gone, instead of hanging it."""
+    with pytest.raises(SystemExit, match=r"e3attn-train did not end within 0 s \(before writing its metrics\); stopped"):
+        bench.run_command(["--train-file", str(tmp_path / "none.xyz")], threads=1, seconds=0.2)
+    assert bench.command_seconds(bench.parse_args(["--data", str(tmp_path), "--time-budget", "600"])) == 1800.0
+    assert bench.command_seconds(bench.parse_args(["--data", str(tmp_path), "--time-budget", "0"])) is None
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--organic", "tiny", "--threads", "3", "--processes", "2"], "--processes: must divide --threads (3), got 2"),
     (["--threads", "2", "--processes", "2"], "--processes: only with --organic"),

@@ -34,6 +34,23 @@ def spawn(fn, args, seconds: float = 300.0) -> None:
             pytest.fail(f"{fn.__name__}: the replicas did not finish within {seconds:.0f} s")
 
 
+def count_wrappers_at_teardown() -> list:
+    """Patch ``dist.destroy_process_group`` to note, at each call, how many DDP wrappers are alive; returns the
+    notes. A wrapper holds the process group: one freed after the teardown (as its function returns, the other
+    processes maybe gone) tears the group down outside ``destroy_process_group``, where gloo can wait for ever."""
+    import gc
+
+    notes, destroy = [], dist.destroy_process_group
+
+    def counted(*args, **kwargs):
+        gc.collect()
+        notes.append(sum(isinstance(o, torch.nn.parallel.DistributedDataParallel) for o in gc.get_objects()))
+        return destroy(*args, **kwargs)
+
+    dist.destroy_process_group = counted
+    return notes
+
+
 def train_replica(rank: int, world_size: int, port: int, folder: str) -> None:
     """One torchrun-like process: the example's --ddp training, then its weights written to ``folder``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -43,8 +60,9 @@ def train_replica(rank: int, world_size: int, port: int, folder: str) -> None:
     import molecules
 
     args = molecules.parse_args(["--ddp", "--smoke", "--device", "cpu", "--quiet", "--out", f"{folder}/parity.png"])
+    wrappers = count_wrappers_at_teardown()
     model, metrics = molecules.train(args)
-    torch.save({"state_dict": model.state_dict(), "metrics": metrics}, f"{folder}/rank{rank}.pt")
+    torch.save({"state_dict": model.state_dict(), "metrics": metrics, "wrappers": wrappers}, f"{folder}/rank{rank}.pt")
 
 
 @pytest.mark.slow
@@ -52,6 +70,7 @@ def test_ddp_replicas_hold_identical_weights(tmp_path):
     spawn(train_replica, (2, free_port(), str(tmp_path)))
     replicas = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     assert all(r["metrics"]["world_size"] == 2 for r in replicas)
+    assert [r["wrappers"] for r in replicas] == [[0], [0]]  # the group torn down once, no DDP wrapper left
 
     sys.path.insert(0, str(EXAMPLES))
     import molecules
@@ -95,11 +114,12 @@ def train_command_replica(rank: int, world_size: int, port: int, folder: str, da
     torch.set_num_threads(1)
     from e3attn.train import cli
 
+    wrappers = count_wrappers_at_teardown()
     metrics = cli.main(["--train-file", data, "--test-file", data, "--ddp", "--save", f"{folder}/model.pt",
                         "--hidden", "8x0e + 4x1o", "--heads", "2", "--epochs", "2", "--batch-size", "2",
                         "--device", "cpu", "--quiet", "--valid-fraction", "0.25"])
     with open(f"{folder}/rank{rank}.json", "w") as file:
-        json.dump(metrics, file)
+        json.dump(dict(metrics, wrappers=wrappers), file)
 
 
 @pytest.mark.slow
@@ -126,6 +146,7 @@ def test_training_command_under_ddp(tmp_path):
     assert first["world_size"] == second["world_size"] == 2 and first["epochs"] == second["epochs"] == 2
     assert first["best_epoch"] == second["best_epoch"]  # the validation losses are synchronised
     assert "test" in first and "test" not in second  # rank 0 evaluates and writes
+    assert first["wrappers"] == second["wrappers"] == [0]  # the group torn down once, no DDP wrapper left
     assert E3AttnCalculator.from_checkpoint(tmp_path / "model.pt").species == ["Cu"]
 
 

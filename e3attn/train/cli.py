@@ -217,6 +217,10 @@ def run(args: argparse.Namespace) -> dict:
     model = torch.nn.parallel.DistributedDataParallel(
         module, device_ids=[device.index] if device.type == "cuda" else None) if args.ddp else module
     result = fit(model, samples["train"], units, args, device, rank, world, valid_set=samples["valid"] or None)
+    # the DDP wrapper holds the process group: it goes now, while every process is alive, so that the group is torn
+    # down inside destroy_process_group below (freed at this function's return instead, after the other processes
+    # had left, gloo's teardown could wait for them for ever: a process that never exits)
+    del model
     # the kept model: the best finite validation loss, or (without validation) the last epoch's
     losses = result.valid_losses if samples["valid"] else result.train_losses[-1:]
     diverged = not any(math.isfinite(x) for x in losses)
@@ -245,7 +249,7 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         if args.ddp:
             # every rank waits for rank 0's evaluation and writes (or its failure): no rank tears the group down
-            # with work in flight (a rank that did could hang in gloo's teardown, seen as a rank that never exits)
+            # with work in flight
             dist.barrier()
             dist.destroy_process_group()
     return metrics
