@@ -19,6 +19,8 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 import torch
 
+from ._tracing import tracing
+
 
 _CALLER_CHECKED = contextvars.ContextVar("e3attn_values_checked_by_caller", default=False)
 
@@ -36,9 +38,9 @@ def values_checked_by_caller() -> Iterator[None]:
 
 
 def _skip_values() -> bool:
-    """Whether to skip the checks of tensor values: while ``torch.compile`` traces (they would be data-dependent
-    branches) and inside :func:`values_checked_by_caller`."""
-    return torch.compiler.is_compiling() or _CALLER_CHECKED.get()  # compiling first: dynamo cannot trace .get()
+    """Whether to skip the checks of tensor values: while ``torch.compile`` or ``make_fx`` traces (they would be
+    data-dependent branches, :func:`~e3attn._tracing.tracing`) and inside :func:`values_checked_by_caller`."""
+    return tracing() or _CALLER_CHECKED.get()
 
 
 def check_int(value: Any, name: str, minimum: int = 0) -> int:

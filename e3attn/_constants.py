@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ._tracing import tracing
+
 
 class Float64ConstantsModule(torch.nn.Module):
     """Base class for modules holding float64 constants (Clebsch-Gordan blocks, basis centres)."""
@@ -28,10 +30,11 @@ class Float64ConstantsModule(torch.nn.Module):
         """The constant ``name`` cast to ``dtype``, cached while the buffer stays the same tensor.
 
         Not cached under ``torch.inference_mode`` (an inference tensor cannot be saved for a
-        later backward) nor while ``torch.compile`` traces.
+        later backward) nor while ``torch.compile`` or ``make_fx`` traces (:func:`~e3attn._tracing.tracing`: the
+        cast would be one of the trace's proxies).
         """
         value = self._buffers[name]
-        if dtype == value.dtype or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+        if dtype == value.dtype or tracing() or torch.is_inference_mode_enabled():
             return value.to(dtype)
         source, cast = self._casts.get((name, dtype), (None, None))
         if source is not value:  # first use, or the buffer was replaced (moved, functional_call, a replica)

@@ -26,6 +26,8 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from ._tracing import tracing
+
 Plain = Callable[[torch.Tensor], torch.Tensor]
 Jet = Callable[[torch.Tensor, bool], Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]
 
@@ -57,8 +59,9 @@ def jet(x: torch.Tensor, plain: Plain, derivatives: Jet, plain_first: bool = Fal
 
 def closed_forms_apply(x: torch.Tensor) -> bool:
     """Whether a function of ``x`` is differentiated with closed forms: ``x`` requires a gradient, autograd
-    records, and neither ``torch.compile``, a ``torch.func`` transform nor forward-mode AD is running."""
-    return (x.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    records, and neither ``torch.compile`` (or ``make_fx``, :func:`~e3attn._tracing.tracing`), a ``torch.func``
+    transform nor forward-mode AD is running."""
+    return (x.requires_grad and torch.is_grad_enabled() and not tracing()
             and not torch._C._are_functorch_transforms_active() and torch.autograd.forward_ad._current_level < 0)
 
 

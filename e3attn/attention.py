@@ -21,6 +21,7 @@ from ._checks import (
     check_radius_fits,
 )
 from ._irreps import IrrepsLike, as_irreps, support
+from ._tracing import tracing
 from .edge_geometry import Geometry, edge_geometry
 from .graph import radius_graph
 from .heads import MultiHeadDot, scale_heads, split_heads
@@ -326,7 +327,7 @@ class EquivariantAttention(torch.nn.Module):
         on the edges sorted by destination."""
         order = None
         # on a GPU, sorting costs less than reading back whether the edges are sorted (a synchronisation)
-        if torch.compiler.is_compiling() or dst.device.type != "cpu" or not bool((dst[1:] >= dst[:-1]).all()):
+        if tracing() or dst.device.type != "cpu" or not bool((dst[1:] >= dst[:-1]).all()):
             order = _destination_order(dst)
             src, dst, edge_vec = src.index_select(0, order), dst.index_select(0, order), gather_rows(edge_vec, order)
             if geometry is not None:

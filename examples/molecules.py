@@ -41,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 from e3attn import train as training
 from e3attn.models import EquivariantTransformer, save_checkpoint
 from e3attn.train import collate, evaluate, fit, init_distributed, predict  # noqa: F401  (used by the docs, tests)
-from e3attn.train.options import add_model_options, add_training_options, amp_only_on_cuda
+from e3attn.train.options import add_model_options, add_training_options, amp_only_on_cuda, check_compile
 
 import _common  # examples/_common.py: the script's folder is on sys.path
 
@@ -144,6 +144,7 @@ def parse_args(argv=None):
         _common.check_files(p, outputs={"--save": args.save},
                             figures={"--out": _common.figure_name(args.out, "parity.png")})
         training.check_model_options(p, args)  # before any data
+    check_compile(p, args)
     return amp_only_on_cuda(args)
 
 

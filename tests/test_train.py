@@ -225,6 +225,8 @@ def bad_inputs(data, tmp_path):
         (train + ["--lr", "-1"], "argument --lr: expected a positive number, got '-1'"),
         (train + ["--loss", "l1"], "argument --loss: invalid choice: 'l1'"),
         (train + ["--loss", "huber", "--huber-delta", "0"], "argument --huber-delta: expected a positive number"),
+        (train + ["--compile", "--ddp"], "argument --compile: not with --ddp"),
+        (["--train-file", str(data["ptrain"]), "--compile"], "--compile: the structures of --train-file have stress"),
     ]
 
 

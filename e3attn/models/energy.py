@@ -8,6 +8,7 @@ import torch
 
 from .._checks import _skip_values, check_batch, check_dtype, check_edge_index, check_pos
 from .._jet import first_derivatives_only
+from .._tracing import traced_graphs
 from ..scatter import gather_rows
 
 __all__ = ["edge_vectors", "energy_and_forces", "energy_forces_stress"]
@@ -185,7 +186,9 @@ def energy_forces_stress(
 
 
 def _num_graphs(pos: torch.Tensor, batch: Optional[torch.Tensor]) -> int:
-    return 0 if pos.shape[0] == 0 else 1 if batch is None else int(batch.max()) + 1
+    if pos.shape[0] == 0:
+        return 0
+    return 1 if batch is None else traced_graphs() or int(batch.max()) + 1  # traced: given, not read
 
 
 def _strain_cells(cell, num_graphs: int, pos: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -10,6 +10,7 @@ from e3nn import o3
 from .._checks import (check_batch, check_dtype, check_edge_index, check_edge_vec, check_features, check_int, check_pos,
                        values_checked_by_caller)
 from .._irreps import IrrepsLike, as_irreps
+from .._tracing import traced_graphs
 from ..attention import EquivariantAttention
 from ..edge_geometry import Geometry, shared_edge_geometry
 from ..graph import radius_graph
@@ -361,8 +362,8 @@ class EquivariantTransformer(torch.nn.Module):
     def _pool(self, out: torch.Tensor, batch: Optional[torch.Tensor]) -> torch.Tensor:
         if batch is None:  # one graph: no read of the device for its number
             batch, num_graphs = torch.zeros(out.shape[0], dtype=torch.long, device=out.device), min(out.shape[0], 1)
-        else:
-            num_graphs = int(batch.max()) + 1 if batch.numel() > 0 else 0
+        else:  # traced (make_fx): the number is not read from the data but given
+            num_graphs = traced_graphs() or (int(batch.max()) + 1 if batch.numel() > 0 else 0)
         pooled = scatter_sum(out, batch.long(), num_graphs)
         if self.reduce == "mean":
             count = scatter_sum(torch.ones_like(out[:, :1]), batch.long(), num_graphs)

@@ -120,6 +120,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                for name in ("config", "train_file", "valid_file", "test_file")},
                     outputs={"--save": args.save, "--metrics": args.metrics}, read_now=False)
     check_model_options(p, args, "the model options (--hidden, --heads, --lmax, --density, ...)")
+    opt.check_compile(p, args)
     return opt.amp_only_on_cuda(args)
 
 
@@ -211,6 +212,9 @@ def run(args: argparse.Namespace) -> dict:
     """Read the data (:func:`load_data`), train, evaluate, print one line per split, write ``--save`` and
     ``--metrics``; returns the metrics. Raises :class:`~e3attn.train.DataError` on data that cannot be trained on."""
     species, samples, units = load_data(args)
+    if getattr(args, "compile", False) and "stress" in samples["train"][0]:
+        raise CommandError(f"--compile: the structures of --train-file have stress ({args.stress_key!r}), which a "
+                           "compiled step does not train on; leave out --compile, or give --stress-key none")
     rank, world, device = init_distributed(args)
     torch.manual_seed(args.seed)
     module = build_model(args, len(species)).to(device)

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
+from .compiled import CompiledStep
 from .data import collate
 from .model import evaluate, loss_fn, loss_options, predict, to_device
 
@@ -195,7 +196,10 @@ def fit(model: torch.nn.Module, train_set: Sequence[dict], units: dict, args: ar
     :func:`~e3attn.train.loss_options` reads from ``args`` (``args.force_weight``, ``args.energy_weight``, and where
     ``args`` has them ``args.stress_weight``, ``args.loss``, ``args.huber_delta``), for validation too. With
     ``args.time_budget`` no epoch starts that would not end within it (validation included). With ``args.ddp`` the
-    processes share out the validation set (:func:`validation_loss`). With ``args.ema``
+    processes share out the validation set (:func:`validation_loss`). With ``args.compile`` (where ``args`` has
+    it) every step is one traced and compiled graph (:class:`~e3attn.train.compiled.CompiledStep`: the same loss and
+    gradients, its first call of a batch shape tracing and compiling, within the budget), and the last, smaller
+    batch of every epoch is left out (another shape, another compilation). With ``args.ema``
     :math:`> 0` the validation, the model kept and the model returned are those of the moving average of the
     weights (:class:`WeightAverage`).
 
@@ -216,14 +220,17 @@ def fit(model: torch.nn.Module, train_set: Sequence[dict], units: dict, args: ar
         (2, 2, True)
     """
     sampler = DistributedSampler(train_set, world, rank, shuffle=True, seed=args.seed) if args.ddp else None
-    loader = DataLoader(train_set, args.batch_size, shuffle=sampler is None, sampler=sampler, collate_fn=collate,
-                        generator=torch.Generator().manual_seed(args.seed))
     module = getattr(model, "module", model)
+    weights = loss_options(args)
+    # compiled: one graph per shape of batch, so the last, smaller batch of an epoch is left out (another each epoch)
+    compiled = CompiledStep(module, units, weights) if getattr(args, "compile", False) else None
+    loader = DataLoader(train_set, args.batch_size, shuffle=sampler is None, sampler=sampler, collate_fn=collate,
+                        generator=torch.Generator().manual_seed(args.seed),
+                        drop_last=compiled is not None and len(train_set) > args.batch_size)
     optimizer = adam(model, args.lr)
     average = WeightAverage(module, getattr(args, "ema", 0.0))
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=3) \
         if args.schedule == "plateau" else None
-    weights = loss_options(args)
     bar = _bar(args.epochs, disable=rank != 0 or args.quiet)
     losses, valid_losses, best = [], [], (math.inf, 0, None)
     start, epoch_time = time.perf_counter(), 0.0
@@ -241,9 +248,12 @@ def fit(model: torch.nn.Module, train_set: Sequence[dict], units: dict, args: ar
                 for group in optimizer.param_groups:
                     group["lr"] = args.lr * 0.5 * (1.0 + math.cos(math.pi * done))
             batch = to_device(batch, device)
-            loss = loss_fn(predict(model, batch, units, args.amp, create_graph=True), batch, units, **weights)
             optimizer.zero_grad()
-            loss.backward()
+            if compiled is not None:
+                loss = compiled(batch)  # the gradients in the weights' .grad
+            else:
+                loss = loss_fn(predict(model, batch, units, args.amp, create_graph=True), batch, units, **weights)
+                loss.backward()
             optimizer.step()
             average.update()
             total += loss.item()

@@ -19,7 +19,8 @@ from ..models.transformer import LAYER_NORMS, SELF_CONNECTIONS
 
 __all__ = [
     "ArgumentParser", "fail", "device", "irreps", "positive_int", "non_negative_int", "positive_float",
-    "non_negative_float", "fraction", "add_model_options", "add_training_options", "amp_only_on_cuda", "check_files",
+    "non_negative_float", "fraction", "add_model_options", "add_training_options", "amp_only_on_cuda", "check_compile",
+    "check_files",
 ]
 
 SCHEDULES = ("cosine", "plateau", "constant")
@@ -258,6 +259,10 @@ def add_training_options(p: argparse.ArgumentParser, epochs: int, time_budget: f
                         f"step with this decay (0: the weights themselves; default {d['ema']:g})")
     p.add_argument("--amp", action="store_true", help="bfloat16 autocast (CUDA only)")
     p.add_argument("--ddp", action="store_true", help="DistributedDataParallel; launch with torchrun")
+    p.add_argument("--compile", action="store_true",
+                   help="trace each step (loss and weight gradients, forces included) into one graph and compile it "
+                        "(e3attn.train.compiled.CompiledStep): faster steps after a first one of minutes; the last, "
+                        "smaller batch of an epoch is left out; energies and forces only, not with --ddp or --amp")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -326,3 +331,11 @@ def amp_only_on_cuda(args: argparse.Namespace) -> argparse.Namespace:
         warnings.warn("--amp needs a CUDA device: running in float32 on the CPU", stacklevel=3)
         args.amp = False
     return args
+
+
+def check_compile(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--compile`` (where ``args`` has it) only without ``--ddp`` and ``--amp``: one line (``p.error``) else."""
+    if getattr(args, "compile", False):
+        for option in ("ddp", "amp"):
+            if getattr(args, option, False):
+                p.error(f"argument --compile: not with --{option} (a compiled step has no DDP hooks nor autocast)")

@@ -1,0 +1,139 @@
+r"""A force-training step compiled as one graph (``e3attn.train.compiled.CompiledStep``) against the eager step.
+
+The model is that of ``e3attn-train`` with its defaults (``--`` passes other model options), the batches as in
+``benchmarks/train_step.py`` (``--batch-size`` displaced copies of ``--molecule``, random labels, one shape). The
+eager step is what ``e3attn.train.fit`` does per batch (energies and forces with ``create_graph``, the loss, its
+backward); the compiled step computes the same loss and weight gradients in one traced and compiled graph. Both
+end with the same fused Adam step. Reports the seconds of the first compiled call (tracing and compiling, with
+torch's caches as they are: set ``TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)`` for a cold compile), the largest
+difference of the weight gradients relative to each weight's largest gradient, and the medians of the per-step
+times, the two steps in turns, ``--steps`` at a time, ``--repeats`` times.
+
+Example::
+
+    python benchmarks/compiled_step.py --threads 1
+    python benchmarks/compiled_step.py --threads 2 --dtype float64 --backend none   # the traced graph uncompiled
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+for path in (ROOT, ROOT / "benchmarks"):  # run from a checkout without installing
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from dense_vs_sparse import cpu_name  # noqa: E402
+from train_step import LOSS, batches  # noqa: E402
+
+from e3attn.train import cli, collate  # noqa: E402
+from e3attn.train import options as opt  # noqa: E402
+from e3attn.train.compiled import CompiledStep  # noqa: E402
+from e3attn.train.data import mean_neighbors  # noqa: E402
+from e3attn.train.loop import adam  # noqa: E402
+from e3attn.train.model import build_model, check_model_options, loss_fn, predict  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    model_argv = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    p = opt.ArgumentParser(__doc__.split("\n\n")[0])
+    p.add_argument("--molecule", default="CH3CH2OH", help="an ASE molecule name (default CH3CH2OH, ethanol)")
+    p.add_argument("--batch-size", type=opt.positive_int, default=cli.TRAINING_DEFAULTS["batch_size"])
+    p.add_argument("--threads", type=opt.positive_int, default=1)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--backend", default="inductor", help="torch.compile backend, or none (default inductor)")
+    p.add_argument("--steps", type=opt.positive_int, default=10, help="steps per turn")
+    p.add_argument("--repeats", type=opt.positive_int, default=5, help="turns of each step")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compiled_step.json"))
+    args = p.parse_args(argv)
+    opt.check_files(p, results={"--out": args.out})
+    model = opt.ArgumentParser("the training command's model options")
+    opt.add_model_options(model, avg_num_neighbors="auto", defaults=cli.MODEL_DEFAULTS)
+    args.model = model.parse_args(model_argv)
+    check_model_options(model, args.model, "the model options after --")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype]
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        torch.manual_seed(0)
+        groups, species = batches(args.molecule, args.batch_size, args.steps, args.model.max_radius)
+        if args.model.avg_num_neighbors == "auto":
+            args.model.avg_num_neighbors = mean_neighbors([s for group in groups for s in group])
+        model = build_model(args.model, len(species))
+        data = [collate(group) for group in groups]
+    finally:
+        torch.set_default_dtype(default)
+    units = {"species": species, "energy_references": [0.0] * len(species), "energy_scale": 1.0}
+    optimizer = adam(model, 1e-6)  # a small step: the weights, and so the times, barely change
+    compiled = CompiledStep(model, units, LOSS, backend=None if args.backend == "none" else args.backend)
+
+    def eager(batch):
+        optimizer.zero_grad()
+        loss = loss_fn(predict(model, batch, units, create_graph=True), batch, units, **LOSS)
+        loss.backward()
+        return loss.detach()
+
+    def step(fn, batch):
+        loss = fn(batch)
+        optimizer.step()
+        return loss
+
+    start = time.perf_counter()
+    compiled(data[0])
+    compile_seconds = time.perf_counter() - start
+    differences = []
+    for batch in data[:3]:
+        compiled_loss = compiled(batch)
+        compiled_grads = [p.grad.clone() for p in model.parameters()]
+        eager_loss = eager(batch)
+        differences.append(max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+                               for a, b in zip(compiled_grads, (p.grad for p in model.parameters()))))
+        differences.append(float((compiled_loss - eager_loss).abs() / eager_loss.abs()))
+    times = {"eager": [], "compiled": []}
+    for _ in range(args.repeats):
+        for name, fn in (("eager", eager), ("compiled", compiled)):
+            start = time.perf_counter()
+            for batch in data:
+                step(fn, batch)
+            times[name].append((time.perf_counter() - start) / len(data))
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    speedup = statistics.median(a / b for a, b in zip(times["eager"], times["compiled"]))
+    atoms, edges = int(data[0]["pos"].shape[0]), int(data[0]["edge_index"].shape[1])
+    print(f"{args.molecule} x {args.batch_size} ({atoms} atoms, {edges} edges), {args.dtype}, {args.threads} "
+          f"thread(s), {cpu_name()}, torch {torch.__version__}, backend {args.backend}")
+    print(f"first compiled call (trace + compile): {compile_seconds:.1f} s; largest relative difference of the "
+          f"loss and weight gradients: {max(differences):.1e}")
+    print(f"force-training step: eager {1e3 * medians['eager']:.1f} ms, compiled {1e3 * medians['compiled']:.1f} ms, "
+          f"speed-up {speedup:.2f}x (median of turns)")
+    report = {"meta": {"machine": cpu_name(), "python": platform.python_version(), "torch": torch.__version__,
+                       "threads": args.threads, "dtype": args.dtype, "backend": args.backend,
+                       "molecule": args.molecule, "batch_size": args.batch_size, "atoms": atoms, "edges": edges,
+                       "steps": args.steps, "repeats": args.repeats, "model": dict(vars(args.model))},
+              "compile_seconds": compile_seconds, "largest_relative_difference": max(differences),
+              "seconds": times, "median_seconds": medians, "speedup": speedup}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()

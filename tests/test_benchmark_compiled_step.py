@@ -1,0 +1,22 @@
+"""Smoke test of benchmarks/compiled_step.py: the traced step (run as traced, without compiling) against the eager
+step, its report."""
+import json
+
+import pytest
+
+pytest.importorskip("ase")
+
+from script_loader import load_script  # noqa: E402
+
+
+@pytest.mark.slow
+def test_quick_run_compares_the_traced_step_with_the_eager_step(tmp_path, capsys):
+    bench = load_script("benchmarks/compiled_step.py")
+    out = tmp_path / "r.json"
+    report = bench.main(["--molecule", "H2O", "--batch-size", "2", "--backend", "none", "--dtype", "float64",
+                         "--steps", "3", "--repeats", "1", "--out", str(out), "--", "--layers", "1", "--max-radius", "3"])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert report["meta"]["atoms"] == 6 and report["meta"]["edges"] == 12 and report["meta"]["backend"] == "none"
+    assert report["largest_relative_difference"] < 1e-12  # the eager step's loss and gradients, float64
+    assert report["median_seconds"]["eager"] > 0 and report["median_seconds"]["compiled"] > 0
+    assert "force-training step: eager" in capsys.readouterr().out

@@ -1,0 +1,124 @@
+"""A force-training step traced into one graph (make_fx) and compiled: the eager step's loss and gradients."""
+import pytest
+import torch
+from ase.build import molecule
+from ase.calculators.singlepoint import SinglePointCalculator
+
+from e3attn._tracing import traced_graphs, traced_step, tracing
+from e3attn.models import EquivariantTransformer
+from e3attn.train import collate, fit_references, loss_fn, predict, to_sample
+from e3attn.train.compiled import CompiledStep
+
+SPECIES = ["H", "C", "O"]
+WEIGHTS = {"force_weight": 10.0, "loss": "huber", "huber_delta": 0.01}
+
+
+def samples(count: int, seed: int, dtype) -> list:
+    """Displaced ethanol molecules with random labels, their graphs within 2.5 A (their edges differ)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        atoms = molecule("CH3CH2OH")
+        atoms.positions += 0.15 * torch.randn(len(atoms), 3, generator=gen, dtype=torch.float64).numpy()
+        atoms.calc = SinglePointCalculator(atoms, energy=float(torch.randn(1, generator=gen)),
+                                           forces=torch.randn(len(atoms), 3, generator=gen, dtype=torch.float64).numpy())
+        sample = to_sample(atoms, SPECIES, 2.5)
+        out.append({k: v.to(dtype) if v.is_floating_point() else v for k, v in sample.items()})
+    return out
+
+
+def model_and_units(data, dtype):
+    torch.manual_seed(0)
+    model = EquivariantTransformer("1x0e", "8x0e + 4x1o", "0e", 2.5, num_layers=2, num_heads=2, reduce="sum",
+                                   irreps_node_attr="3x0e", density_channels=8, density_lmax=2, layer_norm="post",
+                                   avg_num_neighbors=4.0).to(dtype)
+    return model, fit_references(data, SPECIES)
+
+
+def eager_loss_and_gradients(model, batch, units):
+    model.zero_grad()
+    loss = loss_fn(predict(model, batch, units, create_graph=True), batch, units, **WEIGHTS)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.slow
+def test_traced_step_gives_the_eager_loss_and_weight_gradients():
+    data = samples(4, seed=0, dtype=torch.float64)
+    model, units = model_and_units(data, torch.float64)
+    step = CompiledStep(model, units, WEIGHTS, backend=None)  # the traced graph as it is
+    batches = [collate(data[:2]), collate(data[2:])]
+    assert batches[0]["edge_index"].shape != batches[1]["edge_index"].shape
+    for batch in batches + batches[:1]:  # a second shape is traced anew; the first shape's graph is used again
+        loss = step(batch)
+        grads = [p.grad.clone() for p in model.parameters()]
+        expected_loss, expected = eager_loss_and_gradients(model, batch, units)
+        assert torch.allclose(loss, expected_loss, rtol=1e-12, atol=0)
+        for name, g, e in zip([n for n, _ in model.named_parameters()], grads, expected):
+            assert e.abs().max() > 0, name  # every weight has a gradient to compare
+            assert torch.allclose(g, e, rtol=1e-10, atol=1e-12 * e.abs().max()), name
+    assert len(step._graphs) == 2
+
+
+def test_stress_is_refused_and_the_tracing_context_is_checked():
+    data = samples(1, seed=1, dtype=torch.float64)
+    model, units = model_and_units(data, torch.float64)
+    batch = dict(collate(data), stress=torch.zeros(1, 3, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="batch: a compiled step trains on energies and forces, not stress"):
+        CompiledStep(model, units, WEIGHTS, backend=None)(batch)
+    with pytest.raises(ValueError, match="num_graphs must be a positive int, got 0"):
+        with traced_step(0):
+            pass
+    assert not tracing() and traced_graphs() is None
+    with traced_step(3):
+        assert tracing() and traced_graphs() == 3
+    assert not tracing() and traced_graphs() is None
+
+
+@pytest.mark.slow
+def test_compiled_step_equals_the_eager_step_in_float32():
+    """Compiled by inductor (its CPU code), float32: the eager step's loss and gradients to float32 rounding."""
+    data = samples(2, seed=2, dtype=torch.float32)
+    model, units = model_and_units(data, torch.float32)
+    batch = collate(data)
+    loss = CompiledStep(model, units, WEIGHTS)(batch)
+    grads = [p.grad.clone() for p in model.parameters()]
+    expected_loss, expected = eager_loss_and_gradients(model, batch, units)
+    assert torch.allclose(loss, expected_loss, rtol=1e-5, atol=0)
+    largest = max(e.abs().max() for e in expected)  # a weight whose gradient vanishes holds rounding alone
+    for g, e in zip(grads, expected):
+        assert (g - e).abs().max() <= 1e-4 * e.abs().max() + 1e-6 * largest
+
+
+@pytest.mark.slow
+def test_the_command_trains_with_compiled_steps(tmp_path, capsys):
+    """``e3attn-train --compile``: compiled steps, the last, smaller batch of an epoch left out (9 structures in
+    batches of 4: 2 steps per epoch), a checkpoint and the printed errors."""
+    from ase.io import write
+
+    from e3attn.calculator import E3AttnCalculator
+    from e3attn.train import cli
+
+    structures = []
+    for sample_seed in range(12):
+        atoms = molecule("CH3CH2OH")
+        gen = torch.Generator().manual_seed(sample_seed)
+        atoms.positions += 0.1 * torch.randn(len(atoms), 3, generator=gen, dtype=torch.float64).numpy()
+        atoms.calc = SinglePointCalculator(atoms, energy=float(torch.randn(1, generator=gen)),
+                                           forces=torch.randn(len(atoms), 3, generator=gen, dtype=torch.float64).numpy())
+        structures.append(atoms)
+    write(tmp_path / "train.xyz", structures[:9])
+    write(tmp_path / "test.xyz", structures[9:])
+    steps = []
+    original = CompiledStep.__call__
+    CompiledStep.__call__ = lambda self, batch: steps.append(int(batch["num_atoms"].numel())) or original(self, batch)
+    try:
+        metrics = cli.main(["--train-file", str(tmp_path / "train.xyz"), "--test-file", str(tmp_path / "test.xyz"),
+                            "--valid-fraction", "0", "--compile", "--hidden", "4x0e + 2x1o", "--heads", "1",
+                            "--layers", "1", "--density", "4", "--epochs", "2", "--batch-size", "4", "--time-budget",
+                            "0", "--device", "cpu", "--quiet", "--save", str(tmp_path / "model.pt")])
+    finally:
+        CompiledStep.__call__ = original
+    assert steps == [4, 4, 4, 4] and metrics["epochs"] == 2
+    assert "test: energy MAE" in capsys.readouterr().out
+    assert E3AttnCalculator.from_checkpoint(tmp_path / "model.pt").species == ["H", "C", "O"]
