@@ -95,17 +95,20 @@ def validation_loss(model: torch.nn.Module, samples: Sequence[dict], units: dict
     return summed.item() / len(samples)
 
 
-def progress(args: argparse.Namespace, epochs_done: float, seconds: float) -> float:
-    """Fraction of the training done: of ``args.epochs``, or of ``args.time_budget`` when that runs out first.
+def progress(args: argparse.Namespace, epochs_done: float, seconds: float, warmup: float = 0.0) -> float:
+    """Fraction of the training done: of ``args.epochs``, or of ``args.time_budget`` when that runs out first; the
+    first ``warmup`` seconds of the budget (a compiled step's tracing and compiling) count for neither.
 
     Example::
 
         >>> progress(argparse.Namespace(epochs=10, time_budget=100.0), epochs_done=2, seconds=50.0)
         0.5
+        >>> progress(argparse.Namespace(epochs=10, time_budget=100.0), epochs_done=2, seconds=60.0, warmup=20.0)
+        0.5
     """
     done = epochs_done / args.epochs
     if args.time_budget:
-        done = max(done, seconds / args.time_budget)
+        done = max(done, (seconds - warmup) / max(args.time_budget - warmup, 1e-9))
     return min(done, 1.0)
 
 
@@ -198,8 +201,9 @@ def fit(model: torch.nn.Module, train_set: Sequence[dict], units: dict, args: ar
     ``args.time_budget`` no epoch starts that would not end within it (validation included). With ``args.ddp`` the
     processes share out the validation set (:func:`validation_loss`). With ``args.compile`` (where ``args`` has
     it) every step is one traced and compiled graph (:class:`~e3attn.train.compiled.CompiledStep`: the same loss and
-    gradients, its first call of a batch shape tracing and compiling, within the budget), and the last, smaller
-    batch of every epoch is left out (another shape, another compilation). With ``args.ema``
+    gradients, its first call of a batch shape tracing and compiling, within the budget; the cosine schedule runs
+    over the rest of the budget), and the last, smaller batch of every epoch is left out (another shape, another
+    compilation). With ``args.ema``
     :math:`> 0` the validation, the model kept and the model returned are those of the moving average of the
     weights (:class:`WeightAverage`).
 
@@ -234,6 +238,7 @@ def fit(model: torch.nn.Module, train_set: Sequence[dict], units: dict, args: ar
     bar = _bar(args.epochs, disable=rank != 0 or args.quiet)
     losses, valid_losses, best = [], [], (math.inf, 0, None)
     start, epoch_time = time.perf_counter(), 0.0
+    warmup = 0.0  # the compiled step's first call (tracing, compiling): the schedule runs over the rest of the budget
     for epoch in range(args.epochs):
         elapsed = synced_max(time.perf_counter() - start, args.ddp, device)
         if args.time_budget and epoch > 0 and elapsed + epoch_time > args.time_budget:
@@ -244,13 +249,16 @@ def fit(model: torch.nn.Module, train_set: Sequence[dict], units: dict, args: ar
         total = 0.0
         for step, batch in enumerate(loader):
             if args.schedule == "cosine":
-                done = progress(args, epoch + step / len(loader), elapsed + step / len(loader) * epoch_time)
+                done = progress(args, epoch + step / len(loader), elapsed + step / len(loader) * epoch_time, warmup)
                 for group in optimizer.param_groups:
                     group["lr"] = args.lr * 0.5 * (1.0 + math.cos(math.pi * done))
             batch = to_device(batch, device)
             optimizer.zero_grad()
             if compiled is not None:
+                first = time.perf_counter()
                 loss = compiled(batch)  # the gradients in the weights' .grad
+                if epoch == 0 and step == 0:
+                    warmup = synced_max(time.perf_counter() - first, args.ddp, device)
             else:
                 loss = loss_fn(predict(model, batch, units, args.amp, create_graph=True), batch, units, **weights)
                 loss.backward()
