@@ -33,14 +33,14 @@ for path in (ROOT, ROOT / "benchmarks"):  # run from a checkout without installi
         sys.path.insert(0, str(path))
 
 from dense_vs_sparse import cpu_name  # noqa: E402
-from train_step import LOSS, batches  # noqa: E402
+from train_step import LOSS, batches, parse_with_model  # noqa: E402
 
 from e3attn.train import cli, collate  # noqa: E402
 from e3attn.train import options as opt  # noqa: E402
 from e3attn.train.compiled import CompiledStep  # noqa: E402
 from e3attn.train.data import mean_neighbors  # noqa: E402
 from e3attn.train.loop import adam  # noqa: E402
-from e3attn.train.model import build_model, check_model_options, loss_fn, predict  # noqa: E402
+from e3attn.train.model import build_model, loss_fn, predict  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -58,13 +58,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=opt.positive_int, default=10, help="steps per turn")
     p.add_argument("--repeats", type=opt.positive_int, default=5, help="turns of each step")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compiled_step.json"))
-    args = p.parse_args(argv)
-    opt.check_files(p, results={"--out": args.out})
-    model = opt.ArgumentParser("the training command's model options")
-    opt.add_model_options(model, avg_num_neighbors="auto", defaults=cli.MODEL_DEFAULTS)
-    args.model = model.parse_args(model_argv)
-    check_model_options(model, args.model, "the model options after --")
-    return args
+    return parse_with_model(p, argv, model_argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:

@@ -115,6 +115,25 @@ def batches(name: str, batch_size: int, count: int, max_radius: float, seed: int
     return out, species
 
 
+def parse_with_model(p: argparse.ArgumentParser, argv: List[str], model_argv: List[str]) -> argparse.Namespace:
+    """``argv`` parsed by ``p`` (its ``--out`` and ``--molecule`` checked) with the training command's model options
+    ``model_argv`` (what follows ``--``) as ``args.model``."""
+    args = p.parse_args(argv)
+    opt.check_files(p, results={"--out": args.out})
+    from ase.build import molecule
+
+    try:
+        molecule(args.molecule)
+    except KeyError:
+        p.error(f"argument --molecule: {args.molecule!r} is not a molecule that ase.build.molecule knows "
+                "(e.g. CH3CH2OH)")
+    model = opt.ArgumentParser("the training command's model options")
+    opt.add_model_options(model, avg_num_neighbors="auto", defaults=cli.MODEL_DEFAULTS)
+    args.model = model.parse_args(model_argv)
+    check_model_options(model, args.model, "the model options after --")
+    return args
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     model_argv = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -129,19 +148,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=opt.positive_int, default=5, help="turns of each setting")
     p.add_argument("--quick", action="store_true", help="a smoke run: 2 steps, 1 turn")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "train_step.json"))
-    args = p.parse_args(argv)
-    opt.check_files(p, results={"--out": args.out})
-    from ase.build import molecule
-
-    try:
-        molecule(args.molecule)
-    except KeyError:
-        p.error(f"argument --molecule: {args.molecule!r} is not a molecule that ase.build.molecule knows "
-                "(e.g. CH3CH2OH)")
-    model = opt.ArgumentParser("the training command's model options")
-    opt.add_model_options(model, avg_num_neighbors="auto", defaults=cli.MODEL_DEFAULTS)
-    args.model = model.parse_args(model_argv)
-    check_model_options(model, args.model, "the model options after --")
+    args = parse_with_model(p, argv, model_argv)
     if args.quick:
         args.steps, args.repeats = 2, 1
     return args
