@@ -28,7 +28,7 @@ class CompiledStep:
     For a batch, :func:`~e3attn.train.loss_fn` of :func:`~e3attn.train.predict` with the forces
     :math:`F = -\partial E / \partial x` (``create_graph``: the loss depends on them) and the gradients
     :math:`\partial L / \partial \theta` of the loss in every trainable weight :math:`\theta`: the same values as
-    ``loss.backward()`` after :func:`~e3attn.train.predict` (to rounding), which :meth:`__call__` writes into the
+    ``loss.backward()`` after :func:`~e3attn.train.predict` (to rounding), which a call of the step writes into the
     weights' ``.grad``, for an optimiser to step.
 
     ``torch.compile`` of a model stops at the second derivative that training on forces needs (aot_autograd has
