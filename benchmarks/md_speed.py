@@ -105,11 +105,13 @@ def measure_e3attn(num_atoms: int, model: torch.nn.Module, args) -> dict:
     crystal = fcc_copper(num_atoms)
     trajectory = Trajectory(crystal.positions)
     runs = {}
-    for label, skin in (("skin", args.skin), ("no skin", 0.0)):
+    calculators = [("skin", args.skin, False), ("no skin", 0.0, False)]
+    calculators += [("compiled", args.skin, args.compile)] if args.compile else []
+    for label, skin, compile in calculators:
         atoms = crystal.copy()
         atoms.calc = E3AttnCalculator(model, list(molecules.SPECIES), device=args.device, dtype=DTYPES[args.dtype],
-                                      skin=skin, cuda_graphs=args.cuda_graphs and skin > 0,
-                                      keep_memory=KEEP_MEMORY[args.keep_memory])
+                                      skin=skin, cuda_graphs=args.cuda_graphs and skin > 0 and not compile,
+                                      keep_memory=KEEP_MEMORY[args.keep_memory], compile=compile)
         runs[label] = {"atoms": atoms, "t": 0}
 
     def run_steps(label: str, k: int) -> None:
@@ -122,6 +124,11 @@ def measure_e3attn(num_atoms: int, model: torch.nn.Module, args) -> dict:
             run["t"] += 1
         sync(torch.device(args.device))
 
+    first_call = None
+    if args.compile:  # tracing and compiling, timed apart from the calls
+        start = CLOCKS[args.clock]()
+        run_steps("compiled", 1)
+        first_call = CLOCKS[args.clock]() - start
     seconds = per_call_seconds(run_steps, args.repeats, args.calls, args.warmup, list(runs), args.clock)
     skin = runs["skin"]["atoms"].calc
     row = {
@@ -131,6 +138,8 @@ def measure_e3attn(num_atoms: int, model: torch.nn.Module, args) -> dict:
         "no_skin_s": seconds["no skin"],
         "searches_per_call": skin.neighbour_list.builds / runs["skin"]["t"],
         "replays_per_call": skin._replayed.replays / runs["skin"]["t"] if skin._replayed is not None else 0.0,
+        "compiled_s": seconds.get("compiled"),
+        "compile_first_call_s": first_call,
     }
     row["page_faults_per_call"], row["system_s_per_call"] = page_faults(lambda: run_steps("skin", args.calls),
                                                                         args.calls)
@@ -257,6 +266,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="the calculator with the skin replays its call as a CUDA graph between searches (CUDA only)")
     p.add_argument("--keep-memory", choices=sorted(KEEP_MEMORY), default="auto",
                    help="the calculator's keep_memory: auto (its default, None: from large calls on), on or off")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="also time the calculator with compile=BACKEND (default inductor) and the skin, in the same "
+                        "turns, and its first call (tracing and compiling)")
     p.add_argument("--stress", action="store_true",
                    help="ask for the stress too at every step (as constant-pressure dynamics does)")
     p.add_argument("--calls", type=_common.positive_int, default=10, help="steps per timed turn")
@@ -290,16 +302,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def format_table(rows: List[dict]) -> str:
     lines = ["| atoms | edges | skin: ms/call | us/atom | atom-steps/s | searches/call | page faults/call | "
-             "system ms/call | peak RSS MiB | no skin: ms/call | MACE: ms/call |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "system ms/call | peak RSS MiB | no skin: ms/call | compiled: ms/call (first call s) | MACE: ms/call |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mace = f"{r['mace_s'] * 1e3:,.1f}" if r.get("mace_s") else "-"
         faults = f"{r['page_faults_per_call']:,.0f}" if r.get("page_faults_per_call") is not None else "-"
         system = f"{r['system_s_per_call'] * 1e3:,.1f}" if r.get("system_s_per_call") is not None else "-"
         rss = f"{r['peak_rss_mib']:,.0f}" if r.get("peak_rss_mib") is not None else "-"
+        compiled = (f"{r['compiled_s'] * 1e3:,.2f} ({r['compile_first_call_s']:.1f})" if r.get("compiled_s")
+                    else "-")
         lines.append(f"| {r['atoms']:,} | {r['edges']:,} | {r['skin_s'] * 1e3:,.2f} | {r['skin_s'] * 1e6 / r['atoms']:.1f} "
                      f"| {r['atoms'] / r['skin_s']:,.0f} | {r['searches_per_call']:.2f} | {faults} | {system} "
-                     f"| {rss} | {r['no_skin_s'] * 1e3:,.2f} | {mace} |")
+                     f"| {rss} | {r['no_skin_s'] * 1e3:,.2f} | {compiled} | {mace} |")
     return "\n".join(lines)
 
 
@@ -322,7 +336,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         for row in rows:
             row["mace_s"] = mace.get(row["atoms"])
     meta = {"host": platform.node(), "cpu": cpu_name(), "device": args.device, "threads": args.threads,
-            "dtype": args.dtype, "skin": args.skin, "cuda_graphs": args.cuda_graphs,
+            "dtype": args.dtype, "skin": args.skin, "cuda_graphs": args.cuda_graphs, "compile": args.compile,
             "keep_memory": args.keep_memory, "stress": args.stress, "clock": args.clock,
             "load_average": _load_average(), "torch": torch.__version__, "command": " ".join(sys.argv)}
     if args.device.startswith("cuda"):

@@ -6,15 +6,19 @@ whole: a force-training step, loss and weight gradients, as one graph, where ``t
 stops at the second derivative. Code that reads tensor values (checks, a test whether the edges are sorted, the
 number of graphs in a batch) cannot be traced; inside :func:`traced_step` e3attn takes the branches it takes while
 ``torch.compile`` traces instead (:func:`tracing`), and reads the number of graphs from the context
-(:func:`traced_graphs`).
+(:func:`traced_graphs`). :class:`TracedGraphs` keeps the graphs of one function, each with the guards on the
+inputs' sizes that its trace assumed, and reuses a graph for every input that meets them;
+:func:`weights_as_inputs` makes a module's weights inputs of such a graph rather than constants in it.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Iterator, Optional
+import warnings
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
+from torch.utils import _pytree as pytree
 
 _GRAPHS = contextvars.ContextVar("e3attn_traced_graphs", default=None)
 
@@ -40,3 +44,138 @@ def tracing() -> bool:
 def traced_graphs() -> Optional[int]:
     """The number of graphs of the batch that :func:`traced_step` traces, or None outside it."""
     return None if torch.compiler.is_compiling() else _GRAPHS.get()
+
+
+class TracedGraphs:
+    r"""``fn`` traced into graphs with symbolic sizes (``make_fx``), each reused for every input its guards admit.
+
+    A trace with symbolic sizes holds for inputs of other sizes, except where the traced code branched on a size:
+    there the shape environment recorded a guard (e.g. that the number of edges is not zero, or equals a weight's
+    size). A call evaluates the guards of the graphs traced so far on the sizes of its inputs and runs the first
+    graph whose guards hold, or traces a new one: so batches whose numbers of atoms and edges vary share one
+    graph, as do the calls of a molecular dynamics run between and across neighbour searches. Sizes are not
+    unified by coincidence while tracing (no duck sizing): a guard ties two sizes only where the code needs them
+    equal. A graph is also kept per structure of the arguments, per dtype, device and rank of every tensor, and per
+    ``num_graphs(*args)``, the number of graphs that the trace reads from :func:`traced_step`.
+
+    With a ``backend``, each new graph is compiled by ``torch.compile(graph, backend=backend, dynamic=True)`` at
+    its first call. On CPU tensors the compiled graphs run with deterministic algorithms on (warnings only, new
+    memory not filled): then inductor leaves the accumulating ``index_put`` of ``index_add`` to ATen, since its
+    vectorised C++ code for it fails an assertion on some graphs when it runs on more than one thread (torch
+    2.13); and every call must have the state of the first, which dynamo guards. A graph that does not compile
+    runs as traced, with a warning that names the error.
+
+    Args:
+        fn: the function of tensors (nested in lists, tuples and dicts) to trace; what it returns, the graphs return.
+        num_graphs: the number of graphs (structures) in the arguments.
+        backend: ``None`` to run the traced graphs as they are, or the name of a ``torch.compile`` backend
+            (``"inductor"``; ``"eager"`` for dynamo without a compiler).
+
+    Example::
+
+        >>> double = TracedGraphs(lambda x: 2 * x.sum(0), num_graphs=lambda x: 1)
+        >>> double(torch.ones(3, 2)), double(torch.ones(5, 2)), len(double.graphs)
+        (tensor([6., 6.]), tensor([10., 10.]), 1)
+    """
+
+    def __init__(self, fn: Callable, num_graphs: Callable[..., int], backend: Optional[str] = None) -> None:
+        self.fn, self.num_graphs, self.backend = fn, num_graphs, backend
+        self.graphs: List[Tuple[Any, Callable, Callable]] = []  # (key, guards of the flat inputs, graph)
+
+    def __call__(self, *args: Any) -> Any:
+        flat, spec = pytree.tree_flatten(args)
+        if not all(isinstance(t, torch.Tensor) for t in flat):
+            raise TypeError("TracedGraphs: every argument must be a tensor (in lists, tuples or dicts)")
+        key = (spec, int(self.num_graphs(*args)), tuple((t.dtype, t.device, t.dim()) for t in flat))
+        for graph_key, admits, graph in self.graphs:
+            if graph_key == key and admits(flat):
+                return graph(*args)
+        admits, graph = self._trace(args, key[1])
+        out, graph = self._first_call(graph, args, cpu=all(t.device.type == "cpu" for t in flat))
+        self.graphs.append((key, admits, graph))
+        return out
+
+    def _trace(self, args: Tuple, num_graphs: int) -> Tuple[Callable, Callable]:
+        from torch.fx.experimental import _config as fx_config
+        from torch.fx.experimental.proxy_tensor import make_fx
+        from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+        with traced_step(num_graphs), fx_config.patch(use_duck_shape=False):
+            graph = make_fx(lambda *a: self.fn(*a), tracing_mode="symbolic", _allow_non_fake_inputs=True)(*args)
+        placeholders = [node.meta["val"] for node in graph.graph.nodes if node.op == "placeholder"]
+        expression = graph.shape_env.produce_guards_expression(placeholders, ignore_static=False)
+        code = compile(expression or "True", "<guards>", "eval")
+
+        def admits(flat: List[torch.Tensor]) -> bool:
+            return bool(eval(code, SYMPY_INTERP, {"L": {f"t{i}": t for i, t in enumerate(flat)}}))
+
+        return admits, graph
+
+    def _first_call(self, graph: Callable, args: Tuple, cpu: bool) -> Tuple[Any, Callable]:
+        """The first call of a new ``graph``, compiled if there is a backend, and the graph to keep."""
+        if self.backend is None:
+            return graph(*args), graph
+        compiled = torch.compile(graph, backend=self.backend, dynamic=True)
+        if cpu:  # compiled and called with the same global state: dynamo guards it, and would compile again
+            compiled = _with_deterministic_algorithms(compiled)
+        try:
+            return compiled(*args), compiled
+        except Exception as error:  # a compiler's failure: the traced graph computes the same
+            while getattr(error, "inner_exception", None) or error.__cause__:  # what the backend raised
+                error = getattr(error, "inner_exception", None) or error.__cause__
+            first = (str(error).strip().splitlines() or [""])[0]
+            warnings.warn(f"torch.compile (backend {self.backend!r}) failed on a traced graph, which runs "
+                          f"uncompiled: {type(error).__name__}: {first}")
+            return graph(*args), graph
+
+
+def _with_deterministic_algorithms(fn: Callable) -> Callable:
+    """``fn`` called with ``torch.use_deterministic_algorithms(True, warn_only=True)`` (without filling new
+    memory), the global state as it was after each call."""
+
+    def call(*args: Any) -> Any:
+        state = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+                 torch.utils.deterministic.fill_uninitialized_memory)
+        try:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            torch.utils.deterministic.fill_uninitialized_memory = False
+            return fn(*args)
+        finally:
+            torch.use_deterministic_algorithms(state[0], warn_only=state[1])
+            torch.utils.deterministic.fill_uninitialized_memory = state[2]
+
+    return call
+
+
+class _Bound(torch.nn.Module):
+    """``fn(module, *args)`` as a module holding ``module`` (for ``torch.func.functional_call``)."""
+
+    def __init__(self, module: torch.nn.Module, fn: Callable) -> None:
+        super().__init__()
+        self.module, self.fn = module, fn
+
+    def forward(self, *args: Any) -> Any:
+        return self.fn(self.module, *args)
+
+
+def weights_as_inputs(module: torch.nn.Module, fn: Callable, trainable_only: bool = False
+                      ) -> Tuple[List[torch.nn.Parameter], Callable]:
+    """The weights of ``module`` and ``fn(module, *args)`` as a function ``g(weights, *args)`` of them
+    (``torch.func.functional_call``): traced, ``g``'s graph takes the weights as inputs, so that it stays right
+    when they change (training, or a model trained further) and can differentiate in them.
+
+    Example::
+
+        >>> lin = torch.nn.Linear(2, 1)
+        >>> weights, g = weights_as_inputs(lin, lambda m, x: m(x).sum())
+        >>> bool(g([torch.zeros_like(w) for w in weights], torch.ones(3, 2)) == 0)
+        True
+    """
+    bound = _Bound(module, fn)
+    named = [(name, w) for name, w in bound.named_parameters() if w.requires_grad or not trainable_only]
+    names = [name for name, _ in named]
+
+    def g(weights: List[torch.Tensor], *args: Any) -> Any:
+        return torch.func.functional_call(bound, dict(zip(names, weights)), args)
+
+    return [w for _, w in named], g

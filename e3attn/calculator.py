@@ -26,11 +26,11 @@ This module needs ASE (``pip install ase``); importing it without ASE raises an 
 """
 from __future__ import annotations
 
-import contextlib
+import functools
 import math
 import os
 from numbers import Integral, Real
-from typing import Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -41,12 +41,12 @@ try:
 except ImportError as error:  # pragma: no cover - exercised only without ASE
     raise ImportError("e3attn.calculator needs ASE: pip install ase (or pip install 'e3attn[examples]')") from error
 
-from ._checks import check_device, check_real, spans_volume, values_checked_by_caller
+from ._calculator_call import CompiledCall, call_values, frozen
+from ._checks import check_device, check_real, spans_volume
 from ._cuda_graph import ReplayedCall
 from ._memory import keep_freed_memory
 from ._verlet import VerletList
 from .models.checkpoint import load_checkpoint
-from .models.energy import energy_and_forces, energy_forces_stress
 
 __all__ = ["E3AttnCalculator"]
 
@@ -80,20 +80,6 @@ def _atomic_numbers(species: Sequence[Union[str, int]]) -> np.ndarray:
     if len(set(numbers)) != len(numbers):
         raise ValueError(f"species must not repeat an element, got {list(species)}")
     return np.array(numbers)
-
-
-@contextlib.contextmanager
-def _frozen(parameters: List[torch.nn.Parameter]) -> Iterator[None]:
-    """``parameters`` without ``requires_grad`` within the context (forces need no gradients of the weights, which
-    the kernels would otherwise compute), as they were after it."""
-    flags = [p.requires_grad for p in parameters]
-    try:
-        for p in parameters:
-            p.requires_grad_(False)
-        yield
-    finally:
-        for p, flag in zip(parameters, flags):
-            p.requires_grad_(flag)
 
 
 def _references(energy_references, symbols: Sequence[str]) -> np.ndarray:
@@ -192,6 +178,13 @@ class E3AttnCalculator(Calculator):
             until it ends, as PyTorch's caching allocator does on GPUs (``ctypes.CDLL(None).malloc_trim(0)``
             gives the free memory back). Nothing changes on other devices or where the C library is not glibc
             (macOS, Windows).
+        compile: ``True`` to trace the call (the energy and the forces' derivative, the stress's where computed)
+            into one graph with symbolic sizes and compile it with ``torch.compile``'s inductor
+            (``e3attn._calculator_call.CompiledCall``), or a ``torch.compile`` backend's name; default False.
+            The first call compiles (a minute or more on a CPU), as does the first with the stress; later calls
+            reuse the graph across numbers of atoms and edges (a new compile only where a size breaks an
+            assumption of the trace, e.g. a structure without edges). The graph takes the model's weights as
+            inputs, so it stays right when they change. Not with ``cuda_graphs``.
 
     Attributes:
         neighbour_list: the Verlet list (``e3attn._verlet.VerletList``); its ``builds`` counts the searches.
@@ -226,6 +219,7 @@ class E3AttnCalculator(Calculator):
         cuda_graphs: bool = False,
         stress: str = "when_asked",
         keep_memory: Optional[bool] = None,
+        compile: Union[bool, str] = False,
     ) -> None:
         super().__init__()
         if not isinstance(model, torch.nn.Module):
@@ -263,6 +257,11 @@ class E3AttnCalculator(Calculator):
             raise ValueError(f"stress must be one of {', '.join(map(repr, STRESS))}, got {stress!r}")
         if keep_memory is not None and not isinstance(keep_memory, bool):
             raise ValueError(f"keep_memory must be None, True or False, got {keep_memory!r}")
+        if not isinstance(compile, (bool, str)) or (compile and cuda_graphs):
+            raise ValueError(f"compile must be a bool or a torch.compile backend's name, and not with cuda_graphs, "
+                             f"got compile={compile!r}, cuda_graphs={cuda_graphs!r}")
+        backend = "inductor" if compile is True else compile
+        self._compiled = CompiledCall(self.model, backend) if backend else None
         # whether a call makes the allocator keep freed memory: of how many edges at least (None: none does)
         self._keep_from: Optional[int] = None if keep_memory is False or self.device.type != "cpu" else (
             0 if keep_memory else KEEP_MEMORY_EDGES)
@@ -283,10 +282,11 @@ class E3AttnCalculator(Calculator):
         cuda_graphs: bool = False,
         stress: str = "when_asked",
         keep_memory: Optional[bool] = None,
+        compile: Union[bool, str] = False,
     ) -> "E3AttnCalculator":
         r"""The calculator of a checkpoint in the format above (model, ``species``, ``energy_references``,
         ``energy_scale``), its model on ``device`` (default CPU) in ``dtype`` (default: as saved), with the
-        options ``skin``, ``cuda_graphs``, ``stress`` and ``keep_memory`` (see the class).
+        options ``skin``, ``cuda_graphs``, ``stress``, ``keep_memory`` and ``compile`` (see the class).
 
         .. math:: \text{calculator} = \mathrm{E3AttnCalculator}(\text{model}, \text{extra}[\texttt{species}], \dots)
 
@@ -320,6 +320,7 @@ class E3AttnCalculator(Calculator):
             return cls(
                 model, extra["species"], energy_references=extra.get("energy_references"), energy_scale=scale,
                 device=device, dtype=dtype, skin=skin, cuda_graphs=cuda_graphs, stress=stress, keep_memory=keep_memory,
+                compile=compile,
             )
         except ValueError as error:  # the extras do not fit the model (or an option is wrong): say which file
             raise ValueError(f"{where}: {error}") from None
@@ -356,22 +357,17 @@ class E3AttnCalculator(Calculator):
     def _values(self, pos: torch.Tensor, cell: torch.Tensor, node_attr: torch.Tensor, edge_index: torch.Tensor,
                 shifts: torch.Tensor, with_stress: bool) -> torch.Tensor:
         """``[energy, forces..., stress (9)]`` in the model's units, as one tensor (one copy from the device),
-        replayed from a CUDA graph while the edges stay the same (``cuda_graphs``)."""
+        replayed from a CUDA graph while the edges stay the same (``cuda_graphs``) or from a compiled graph
+        (``compile``)."""
 
-        def call(pos: torch.Tensor, cell: torch.Tensor) -> torch.Tensor:
-            graph = dict(node_attr=node_attr, edge_index=edge_index, shifts=shifts, create_graph=False)
-            # finite positions (the search), edges and attributes: made here; no gradients of the weights
-            with values_checked_by_caller(), _frozen(self._parameters_list):
-                if with_stress:
-                    out, f, s = energy_forces_stress(self.model, pos, cell=cell, **graph)
-                else:
-                    out, f = energy_and_forces(self.model, pos, cell=cell, **graph)
-                    s = f.new_zeros(1, 3, 3)
-            return torch.cat([out.detach()[:1], f.detach().reshape(-1), s.detach()[0].reshape(-1)])
-
-        if self._replayed is None:
-            return call(pos, cell)
-        return self._replayed(call, (pos, cell), key=(edge_index, shifts, node_attr, with_stress))
+        if self._compiled is not None:
+            return self._compiled(pos, cell, node_attr, edge_index, shifts, with_stress)
+        with frozen(self._parameters_list):  # no gradients of the weights
+            if self._replayed is None:
+                return call_values(self.model, pos, cell, node_attr, edge_index, shifts, with_stress)
+            return self._replayed(functools.partial(call_values, self.model, node_attr=node_attr,
+                                                    edge_index=edge_index, shifts=shifts, with_stress=with_stress),
+                                  (pos, cell), key=(edge_index, shifts, node_attr, with_stress))
 
     def _elements_of(self, numbers: np.ndarray) -> Tuple[torch.Tensor, float]:
         """The one-hot node attributes of atoms with atomic ``numbers`` and the sum of their reference energies,

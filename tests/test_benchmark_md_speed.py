@@ -51,6 +51,15 @@ def test_stress_and_allocator_options_are_passed_and_reported(bench, tmp_path, m
     assert all(calc._stress and "stress" in calc.results for calc, _ in made)  # asked at every step
 
 
+def test_the_compiled_calculator_runs_in_the_same_turns(bench, tmp_path, capsys):
+    report = bench.main(["--quick", "--device", "cpu", "--sizes", "32", "--out", str(tmp_path / "r.json"),
+                         "--compile", "eager"])  # dynamo without a compiler: the traced graph, quickly
+    (row,) = report["results"]
+    assert report["meta"]["compile"] == "eager" and row["compiled_s"] > 0 and row["compile_first_call_s"] > 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("| 32 | "))
+    assert f"| {row['compiled_s'] * 1e3:,.2f} ({row['compile_first_call_s']:.1f}) |" in line
+
+
 def test_trajectory_vibrates_about_the_sites(bench):
     sites = bench.fcc_copper(108).positions
     trajectory = bench.Trajectory(sites)

@@ -39,7 +39,7 @@ def eager_loss_and_gradients(model, batch, units):
     model.zero_grad()
     loss = loss_fn(predict(model, batch, units, create_graph=True), batch, units, **WEIGHTS)
     loss.backward()
-    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+    return loss.detach(), [None if p.grad is None else p.grad.clone() for p in model.parameters()]
 
 
 @pytest.mark.slow
@@ -47,9 +47,9 @@ def test_traced_step_gives_the_eager_loss_and_weight_gradients():
     data = samples(4, seed=0, dtype=torch.float64)
     model, units = model_and_units(data, torch.float64)
     step = CompiledStep(model, units, WEIGHTS, backend=None)  # the traced graph as it is
-    batches = [collate(data[:2]), collate(data[2:])]
+    batches = [collate(data[:2]), collate(data[2:]), collate(data[1:])]
     assert batches[0]["edge_index"].shape != batches[1]["edge_index"].shape
-    for batch in batches + batches[:1]:  # a second shape is traced anew; the first shape's graph is used again
+    for batch in batches + batches[:1]:  # other edges: the same graph; three structures: a graph of their own
         loss = step(batch)
         grads = [p.grad.clone() for p in model.parameters()]
         expected_loss, expected = eager_loss_and_gradients(model, batch, units)
@@ -57,7 +57,30 @@ def test_traced_step_gives_the_eager_loss_and_weight_gradients():
         for name, g, e in zip([n for n, _ in model.named_parameters()], grads, expected):
             assert e.abs().max() > 0, name  # every weight has a gradient to compare
             assert torch.allclose(g, e, rtol=1e-10, atol=1e-12 * e.abs().max()), name
-    assert len(step._graphs) == 2
+    assert [key[1] for key, _, _ in step.graphs.graphs] == [2, 3]
+
+
+@pytest.mark.slow
+def test_traced_step_on_isolated_atoms_and_a_batch_without_edges():
+    """Sizes 0 and 1 are specialised by the trace: graphs of their own, each the eager step."""
+    data = samples(2, seed=3, dtype=torch.float64)
+    model, units = model_and_units(data, torch.float64)
+    atoms = molecule("H2")
+    atoms.positions[1, 2] = 4.0  # beyond the cutoff: no edges
+    atoms.calc = SinglePointCalculator(atoms, energy=-1.0, forces=torch.ones(2, 3, dtype=torch.float64).numpy())
+    lone = {k: v.to(torch.float64) if v.is_floating_point() else v for k, v in to_sample(atoms, SPECIES, 2.5).items()}
+    assert lone["edge_index"].shape == (2, 0)
+    step = CompiledStep(model, units, WEIGHTS, backend=None)
+    for batch in [collate(data), collate([lone, lone]), collate(data)]:
+        loss = step(batch)
+        grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        expected_loss, expected = eager_loss_and_gradients(model, batch, units)
+        assert torch.allclose(loss, expected_loss, rtol=1e-12, atol=0)
+        assert [g is None for g in grads] == [e is None for e in expected]
+        for g, e in zip(grads, expected):
+            if e is not None:
+                assert torch.allclose(g, e, rtol=1e-10, atol=1e-12 * e.abs().max().clamp_min(1e-300))
+    assert len(step.graphs.graphs) == 2
 
 
 def test_stress_is_refused_and_the_tracing_context_is_checked():

@@ -1,25 +1,14 @@
 r"""A force-training step traced into one graph and compiled: the loss and its weight gradients in one call."""
 from __future__ import annotations
 
-from typing import Callable, Dict, Tuple
+from typing import List, Tuple
 
 import torch
 
-from .._tracing import traced_step
+from .._tracing import TracedGraphs, weights_as_inputs
 from .model import loss_fn, predict
 
 __all__ = ["CompiledStep"]
-
-
-class _Loss(torch.nn.Module):
-    """The loss of a batch as a module of the model's parameters (for ``torch.func.functional_call``)."""
-
-    def __init__(self, model: torch.nn.Module, units: dict, weights: dict) -> None:
-        super().__init__()
-        self.model, self.units, self.weights = model, units, weights
-
-    def forward(self, batch: dict) -> torch.Tensor:
-        return loss_fn(predict(self.model, batch, self.units, create_graph=True), batch, self.units, **self.weights)
 
 
 class CompiledStep:
@@ -37,10 +26,11 @@ class CompiledStep:
     the weight gradients; ``torch.compile`` (``backend``, default inductor) then compiles it as a plain function,
     with symbolic sizes. e3attn traces its value-free branches meanwhile
     (:func:`~e3attn._tracing.traced_step`), and the layer's node kernels stay in the graph as its operators.
-    One graph per number of structures per batch and per set of shapes (atoms, edges): a batch of another shape
-    is traced and compiled anew (tens of seconds to minutes on a CPU), so the sizes of a data set's batches should
-    repeat (e.g. molecules of one kind, the last, smaller batch of an epoch dropped). Float32 and float64; no
-    stress, no autocast.
+    One graph serves every batch of the same number of structures whose sizes (atoms, edges) meet the guards of
+    its trace (:class:`~e3attn._tracing.TracedGraphs`): batches of one molecule with varying numbers of edges
+    share it. A batch of another number of structures is traced and compiled anew (tens of seconds to minutes on
+    a CPU), so the training command drops the last, smaller batch of each epoch. Float32 and float64; no stress,
+    no autocast.
 
     Args:
         model: the energy model (an :class:`~e3attn.models.EquivariantTransformer`, not DDP-wrapped).
@@ -66,35 +56,26 @@ class CompiledStep:
     """
 
     def __init__(self, model: torch.nn.Module, units: dict, weights: dict, backend: "str | None" = "inductor") -> None:
-        self.loss = _Loss(model, units, weights)
-        self.params = {f"model.{name}": p for name, p in model.named_parameters() if p.requires_grad}
+        self.params, self._loss = weights_as_inputs(
+            model, lambda m, batch: loss_fn(predict(m, batch, units, create_graph=True), batch, units, **weights),
+            trainable_only=True)
         self.backend = backend
-        self._graphs: Dict[Tuple, Callable] = {}
+        self.graphs = TracedGraphs(self._step, num_graphs=lambda params, batch: batch["num_atoms"].numel(),
+                                   backend=backend)
 
-    def _trace(self, batch: dict) -> Callable:
-        from torch.fx.experimental.proxy_tensor import make_fx
-
-        names = list(self.params)
-
-        def step(params, batch):
-            loss = torch.func.functional_call(self.loss, dict(zip(names, params)), (batch,))
-            return (loss.detach(), *torch.autograd.grad(loss, params))
-
-        with traced_step(int(batch["num_atoms"].numel())):
-            graph = make_fx(step, tracing_mode="symbolic", _allow_non_fake_inputs=True)(
-                [p.detach().requires_grad_(True) for p in self.params.values()], batch)
-        return graph if self.backend is None else torch.compile(graph, backend=self.backend, dynamic=True)
+    def _step(self, params: List[torch.Tensor], batch: dict) -> Tuple[torch.Tensor, ...]:
+        with torch.enable_grad():  # traced with the derivatives; the graph runs without autograd
+            loss = self._loss(params, batch)
+            return (loss.detach(), *torch.autograd.grad(loss, params, allow_unused=True))
 
     def __call__(self, batch: dict) -> torch.Tensor:
-        """The loss of ``batch`` (detached); the gradients go to the weights' ``.grad``."""
+        """The loss of ``batch`` (detached); the gradients go to the weights' ``.grad`` (``None`` for weights the
+        batch does not reach, e.g. the attention's without edges, as after ``loss.backward()``)."""
         if "stress" in batch:
             raise ValueError("batch: a compiled step trains on energies and forces, not stress")
-        key = tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in batch.items()))
-        graph = self._graphs.get(key)
-        if graph is None:
-            graph = self._graphs[key] = self._trace(batch)
+        params = [p.detach().requires_grad_(True) for p in self.params]
         with torch.no_grad():
-            loss, *grads = graph([p.detach() for p in self.params.values()], batch)
-        for p, g in zip(self.params.values(), grads):
+            loss, *grads = self.graphs(params, batch)
+        for p, g in zip(self.params, grads):
             p.grad = g
         return loss

@@ -1,0 +1,55 @@
+"""Graphs traced with symbolic sizes (e3attn._tracing.TracedGraphs): reused wherever their guards hold."""
+import pytest
+import torch
+
+from e3attn._tracing import TracedGraphs, traced_graphs
+
+
+def test_one_graph_serves_other_sizes_and_sizes_equal_by_chance_stay_apart():
+    calls = []
+
+    def fn(x, y):
+        calls.append(1)  # runs only while tracing
+        return x.sum(0) * y.shape[0], y.sum(0)
+
+    traced = TracedGraphs(fn, num_graphs=lambda x, y: 1)
+    for n, m in [(3, 3), (4, 6), (7, 2), (3, 3)]:
+        x, y = torch.randn(n, 2), torch.randn(m, 5)
+        a, b = traced(x, y)
+        assert torch.equal(a, x.sum(0) * m) and torch.equal(b, y.sum(0))
+    assert len(traced.graphs) == 1 and len(calls) == 1  # x and y had 3 rows each when traced: not tied
+
+
+def test_a_branch_on_a_size_is_a_guard_and_another_size_traces_again():
+    def fn(x):
+        return 2 * x if x.shape[0] > 3 else -x
+
+    traced = TracedGraphs(fn, num_graphs=lambda x: 1)
+    x = torch.arange(5.0)
+    assert torch.equal(traced(x), 2 * x)
+    assert torch.equal(traced(x[:2]), -x[:2])  # the first graph's guard (more than 3) fails
+    assert torch.equal(traced(torch.arange(9.0)), 2 * torch.arange(9.0))
+    assert len(traced.graphs) == 2
+
+
+def test_dtype_and_number_of_graphs_are_part_of_the_key_and_arguments_are_tensors():
+    traced = TracedGraphs(lambda x, batch: x * traced_graphs(), num_graphs=lambda x, batch: int(batch.max()) + 1)
+    x = torch.ones(4, dtype=torch.float64)
+    assert torch.equal(traced(x, torch.tensor([0, 0, 1, 1])), 2 * x)
+    assert torch.equal(traced(x, torch.tensor([0, 1, 2, 2])), 3 * x)
+    assert traced(x.float(), torch.tensor([0, 0, 0, 1])).dtype == torch.float32
+    assert len(traced.graphs) == 3
+    with pytest.raises(TypeError, match="TracedGraphs: every argument must be a tensor"):
+        traced(x, 2)
+
+
+def test_a_graph_that_does_not_compile_runs_traced_with_a_warning():
+    def failing(gm, example_inputs):
+        raise RuntimeError("no compiler here\nsecond line")
+
+    torch.use_deterministic_algorithms(False)
+    traced = TracedGraphs(lambda x: x + 1, num_graphs=lambda x: 1, backend=failing)
+    with pytest.warns(UserWarning, match="failed on a traced graph, which runs uncompiled: .*no compiler here$"):
+        assert torch.equal(traced(torch.zeros(3)), torch.ones(3))
+    assert torch.equal(traced(torch.zeros(4)), torch.ones(4))  # the traced graph, kept
+    assert not torch.are_deterministic_algorithms_enabled()  # as it was before the compile
