@@ -73,8 +73,9 @@ class CompiledCall:
     def __init__(self, model: torch.nn.Module, backend: str = "inductor") -> None:
         self.graphs: Dict[bool, TracedGraphs] = {}
         for with_stress in (False, True):
-            self.weights, fn = weights_as_inputs(model, functools.partial(call_values, with_stress=with_stress))
+            weights, fn = weights_as_inputs(model, functools.partial(call_values, with_stress=with_stress))
             self.graphs[with_stress] = TracedGraphs(fn, num_graphs=lambda *args: 1, backend=backend)
+        self.weights = weights  # the same for both
 
     def __call__(self, pos: torch.Tensor, cell: torch.Tensor, node_attr: torch.Tensor, edge_index: torch.Tensor,
                  shifts: torch.Tensor, with_stress: bool) -> torch.Tensor:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import warnings
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch.utils import _pytree as pytree
@@ -63,13 +63,15 @@ class TracedGraphs:
     memory not filled): then inductor leaves the accumulating ``index_put`` of ``index_add`` to ATen, since its
     vectorised C++ code for it fails an assertion on some graphs when it runs on more than one thread (torch
     2.13); and every call must have the state of the first, which dynamo guards. A graph that does not compile
-    runs as traced, with a warning that names the error.
+    at its first call runs as traced, with a warning that names the error (a later recompile by dynamo, on a guard
+    of its own, is not caught). Not thread-safe: the deterministic setting and the tracer's configuration are
+    process-wide, so one object's calls, and those of several, belong in one thread.
 
     Args:
         fn: the function of tensors (nested in lists, tuples and dicts) to trace; what it returns, the graphs return.
         num_graphs: the number of graphs (structures) in the arguments.
-        backend: ``None`` to run the traced graphs as they are, or the name of a ``torch.compile`` backend
-            (``"inductor"``; ``"eager"`` for dynamo without a compiler).
+        backend: ``None`` to run the traced graphs as they are, or a ``torch.compile`` backend (its name:
+            ``"inductor"``; ``"eager"`` for dynamo without a compiler).
 
     Example::
 
@@ -78,14 +80,26 @@ class TracedGraphs:
         (tensor([6., 6.]), tensor([10., 10.]), 1)
     """
 
-    def __init__(self, fn: Callable, num_graphs: Callable[..., int], backend: Optional[str] = None) -> None:
+    def __init__(self, fn: Callable, num_graphs: Callable[..., int], backend: Union[str, Callable, None] = None
+                 ) -> None:
+        if backend is not None:
+            from torch._dynamo import lookup_backend
+            from torch._dynamo.exc import InvalidBackend
+
+            try:
+                lookup_backend(backend)
+            except InvalidBackend:
+                raise ValueError(f"backend must be a torch.compile backend (torch._dynamo.list_backends()), got "
+                                 f"{backend!r}") from None
         self.fn, self.num_graphs, self.backend = fn, num_graphs, backend
         self.graphs: List[Tuple[Any, Callable, Callable]] = []  # (key, guards of the flat inputs, graph)
 
     def __call__(self, *args: Any) -> Any:
         flat, spec = pytree.tree_flatten(args)
-        if not all(isinstance(t, torch.Tensor) for t in flat):
-            raise TypeError("TracedGraphs: every argument must be a tensor (in lists, tuples or dicts)")
+        for i, t in enumerate(flat):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"TracedGraphs: every argument must be a tensor (in lists, tuples or dicts); "
+                                f"leaf {i} (from 0) is a {type(t).__name__}")
         key = (spec, int(self.num_graphs(*args)), tuple((t.dtype, t.device, t.dim()) for t in flat))
         for graph_key, admits, graph in self.graphs:
             if graph_key == key and admits(flat):

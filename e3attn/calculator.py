@@ -261,7 +261,10 @@ class E3AttnCalculator(Calculator):
             raise ValueError(f"compile must be a bool or a torch.compile backend's name, and not with cuda_graphs, "
                              f"got compile={compile!r}, cuda_graphs={cuda_graphs!r}")
         backend = "inductor" if compile is True else compile
-        self._compiled = CompiledCall(self.model, backend) if backend else None
+        try:
+            self._compiled = CompiledCall(self.model, backend) if backend else None
+        except ValueError as error:  # an unknown backend
+            raise ValueError(f"compile: {error}") from None
         # whether a call makes the allocator keep freed memory: of how many edges at least (None: none does)
         self._keep_from: Optional[int] = None if keep_memory is False or self.device.type != "cpu" else (
             0 if keep_memory else KEEP_MEMORY_EDGES)

@@ -58,8 +58,8 @@ def test_molecules_of_other_sizes_and_a_structure_without_edges_get_the_eager_re
         Atoms("Ni", positions=[[0, 0, 0]]), Atoms("Cu6", positions=molecule("C6H6").positions[:6] * 1.05)]
     for atoms in structures:
         for name in ["energy", "forces"]:
-            np.testing.assert_allclose(calc.get_property(name, atoms.copy()), reference.get_property(name, atoms.copy()),
-                                       rtol=1e-12, atol=1e-12)
+            expected = reference.get_property(name, atoms.copy())
+            np.testing.assert_allclose(calc.get_property(name, atoms.copy()), expected, rtol=1e-12, atol=1e-12)
     assert graphs(calc)[False] == 3  # 6 and 3 atoms; 2 atoms without edges; 1 atom
 
 
@@ -78,5 +78,7 @@ def test_the_compiled_call_follows_the_weights_and_bad_options_are_named():
         with pytest.raises(ValueError, match=f"compile must be a bool or a torch.compile backend's name, and not "
                                              f"with cuda_graphs, got compile={bad!r}"):
             E3AttnCalculator(model, SPECIES, compile=bad)
+    with pytest.raises(ValueError, match="compile: backend must be a torch.compile backend .*, got 'nonsense'"):
+        E3AttnCalculator(model, SPECIES, compile="nonsense")
     with pytest.raises(ValueError, match="got compile=True, cuda_graphs=True"):
         E3AttnCalculator(model, SPECIES, compile=True, cuda_graphs=True)
