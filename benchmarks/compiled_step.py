@@ -7,12 +7,15 @@ backward); the compiled step computes the same loss and weight gradients in one 
 end with the same fused Adam step. Reports the seconds of the first compiled call (tracing and compiling, with
 torch's caches as they are: set ``TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)`` for a cold compile), the largest
 difference of the weight gradients relative to each weight's largest gradient, and the medians of the per-step
-times, the two steps in turns, ``--steps`` at a time, ``--repeats`` times.
+times, the two steps in turns, ``--steps`` at a time, ``--repeats`` times. ``--python-wrapper`` also times, in the
+same turns, the graph compiled with inductor's default Python wrapper instead of the C++ wrapper that e3attn asks
+for on the CPU (``e3attn._tracing.CPU_INDUCTOR_OPTIONS``).
 
 Example::
 
     python benchmarks/compiled_step.py --threads 1
     python benchmarks/compiled_step.py --threads 2 --dtype float64 --backend none   # the traced graph uncompiled
+    python benchmarks/compiled_step.py --threads 2 --python-wrapper                 # C++ against Python wrapper
 """
 from __future__ import annotations
 
@@ -55,10 +58,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--threads", type=opt.positive_int, default=1)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--backend", default="inductor", help="torch.compile backend, or none (default inductor)")
+    p.add_argument("--python-wrapper", action="store_true",
+                   help="also time the step compiled by inductor with its Python wrapper (CPU, --backend inductor)")
     p.add_argument("--steps", type=opt.positive_int, default=10, help="steps per turn")
     p.add_argument("--repeats", type=opt.positive_int, default=5, help="turns of each step")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compiled_step.json"))
-    return parse_with_model(p, argv, model_argv)
+    args = parse_with_model(p, argv, model_argv)
+    if args.python_wrapper and args.backend != "inductor":
+        p.error("argument --python-wrapper: only with --backend inductor")
+    return args
+
+
+def python_wrapper(graph: torch.fx.GraphModule, example_inputs: list):
+    """Inductor with its default Python wrapper (a ``torch.compile`` backend)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(graph, example_inputs, config_patches={"cpp_wrapper": False})
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
@@ -79,6 +94,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     units = {"species": species, "energy_references": [0.0] * len(species), "energy_scale": 1.0}
     optimizer = adam(model, 1e-6)  # a small step: the weights, and so the times, barely change
     compiled = CompiledStep(model, units, LOSS, backend=None if args.backend == "none" else args.backend)
+    others = {"python wrapper": CompiledStep(model, units, LOSS, backend=python_wrapper)} if args.python_wrapper else {}
 
     def eager(batch):
         optimizer.zero_grad()
@@ -94,6 +110,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     start = time.perf_counter()
     compiled(data[0])
     compile_seconds = time.perf_counter() - start
+    for step_fn in others.values():
+        step_fn(data[0])
     differences = []
     for batch in data[:3]:
         compiled_loss = compiled(batch)
@@ -102,9 +120,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         differences.append(max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
                                for a, b in zip(compiled_grads, (p.grad for p in model.parameters()))))
         differences.append(float((compiled_loss - eager_loss).abs() / eager_loss.abs()))
-    times = {"eager": [], "compiled": []}
+    steps = {"eager": eager, "compiled": compiled, **others}
+    times = {name: [] for name in steps}
     for _ in range(args.repeats):
-        for name, fn in (("eager", eager), ("compiled", compiled)):
+        for name, fn in steps.items():
             start = time.perf_counter()
             for batch in data:
                 step(fn, batch)
@@ -118,6 +137,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
           f"loss and weight gradients: {max(differences):.1e}")
     print(f"force-training step: eager {1e3 * medians['eager']:.1f} ms, compiled {1e3 * medians['compiled']:.1f} ms, "
           f"speed-up {speedup:.2f}x (median of turns)")
+    if others:
+        ratio = statistics.median(a / b for a, b in zip(times["python wrapper"], times["compiled"]))
+        print(f"compiled with inductor's Python wrapper: {1e3 * medians['python wrapper']:.1f} ms; the C++ wrapper "
+              f"{ratio:.2f}x as fast (median of turns)")
     report = {"meta": {"machine": cpu_name(), "python": platform.python_version(), "torch": torch.__version__,
                        "threads": args.threads, "dtype": args.dtype, "backend": args.backend,
                        "molecule": args.molecule, "batch_size": args.batch_size, "atoms": atoms, "edges": edges,

@@ -20,3 +20,11 @@ def test_quick_run_compares_the_traced_step_with_the_eager_step(tmp_path, capsys
     assert report["largest_relative_difference"] < 1e-12  # the eager step's loss and gradients, float64
     assert report["median_seconds"]["eager"] > 0 and report["median_seconds"]["compiled"] > 0
     assert "force-training step: eager" in capsys.readouterr().out
+
+
+def test_the_python_wrapper_is_timed_only_beside_inductor(capsys):
+    bench = load_script("benchmarks/compiled_step.py")
+    with pytest.raises(SystemExit) as stop:
+        bench.parse_args(["--python-wrapper", "--backend", "none"])
+    assert stop.value.code == 2
+    assert "argument --python-wrapper: only with --backend inductor" in capsys.readouterr().err

@@ -56,3 +56,17 @@ def test_a_graph_that_does_not_compile_runs_traced_with_a_warning():
     with pytest.raises(ValueError, match=r"backend must be a torch.compile backend \(torch._dynamo.list_backends\(\)\),"
                                          r" got 'nonsense'"):
         TracedGraphs(lambda x: x, num_graphs=lambda x: 1, backend="nonsense")
+
+
+@pytest.mark.parametrize("backend, options", [("inductor", {"cpp_wrapper": True}), ("eager", None)])
+def test_inductor_compiles_cpu_graphs_with_its_cpp_wrapper(monkeypatch, backend, options):
+    asked = []
+
+    def fake_compile(graph, **kwargs):
+        asked.append(kwargs)
+        return graph  # runs as traced: this test is about what is asked of torch.compile
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    traced = TracedGraphs(lambda x: x + 1, num_graphs=lambda x: 1, backend=backend)
+    assert torch.equal(traced(torch.zeros(3)), torch.ones(3))
+    assert asked == [dict(backend=backend, dynamic=True, options=options)]
