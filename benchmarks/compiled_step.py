@@ -9,13 +9,16 @@ torch's caches as they are: set ``TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)`` for a c
 difference of the weight gradients relative to each weight's largest gradient, and the medians of the per-step
 times, the two steps in turns, ``--steps`` at a time, ``--repeats`` times. ``--python-wrapper`` also times, in the
 same turns, the graph compiled with inductor's default Python wrapper instead of the C++ wrapper that e3attn asks
-for on the CPU (``e3attn._tracing.CPU_INDUCTOR_OPTIONS``).
+for on the CPU (``e3attn._tracing.CPU_INDUCTOR_OPTIONS``); ``--one-unit`` the graph compiled with the C++ wrapper
+and the kernels in one translation unit at ``-O3`` (e3attn compiles the wrapper apart, at ``-O1``). Each of them is
+compiled at its own first call, after the step's, and its seconds are reported too.
 
 Example::
 
     python benchmarks/compiled_step.py --threads 1
     python benchmarks/compiled_step.py --threads 2 --dtype float64 --backend none   # the traced graph uncompiled
     python benchmarks/compiled_step.py --threads 2 --python-wrapper                 # C++ against Python wrapper
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python benchmarks/compiled_step.py --threads 2 --one-unit  # cold compiles
 """
 from __future__ import annotations
 
@@ -60,20 +63,32 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--backend", default="inductor", help="torch.compile backend, or none (default inductor)")
     p.add_argument("--python-wrapper", action="store_true",
                    help="also time the step compiled by inductor with its Python wrapper (CPU, --backend inductor)")
+    p.add_argument("--one-unit", action="store_true",
+                   help="also time the step compiled with the C++ wrapper and the kernels in one translation unit "
+                        "(CPU, --backend inductor)")
     p.add_argument("--steps", type=opt.positive_int, default=10, help="steps per turn")
     p.add_argument("--repeats", type=opt.positive_int, default=5, help="turns of each step")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compiled_step.json"))
     args = parse_with_model(p, argv, model_argv)
-    if args.python_wrapper and args.backend != "inductor":
-        p.error("argument --python-wrapper: only with --backend inductor")
+    for flag, name in (("--python-wrapper", "python_wrapper"), ("--one-unit", "one_unit")):
+        if getattr(args, name) and args.backend != "inductor":
+            p.error(f"argument {flag}: only with --backend inductor")
     return args
 
 
-def python_wrapper(graph: torch.fx.GraphModule, example_inputs: list):
-    """Inductor with its default Python wrapper (a ``torch.compile`` backend)."""
+def inductor_with(**patches: object):
+    """Inductor with its configuration patched by ``patches`` (a ``torch.compile`` backend)."""
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(graph, example_inputs, config_patches={"cpp_wrapper": False})
+    def backend(graph: torch.fx.GraphModule, example_inputs: list):
+        return compile_fx(graph, example_inputs, config_patches=patches)
+
+    return backend
+
+
+VARIANTS = {"python wrapper": ("python_wrapper", dict(cpp_wrapper=False)),
+            "one unit": ("one_unit", dict(cpp_wrapper=True, cpp_wrapper_build_separate=False))}
+"""The other compiled steps that the options time: name, the option's destination, inductor's configuration."""
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
@@ -94,7 +109,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     units = {"species": species, "energy_references": [0.0] * len(species), "energy_scale": 1.0}
     optimizer = adam(model, 1e-6)  # a small step: the weights, and so the times, barely change
     compiled = CompiledStep(model, units, LOSS, backend=None if args.backend == "none" else args.backend)
-    others = {"python wrapper": CompiledStep(model, units, LOSS, backend=python_wrapper)} if args.python_wrapper else {}
+    others = {name: CompiledStep(model, units, LOSS, backend=inductor_with(**patches))
+              for name, (option, patches) in VARIANTS.items() if getattr(args, option)}
 
     def eager(batch):
         optimizer.zero_grad()
@@ -107,11 +123,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         optimizer.step()
         return loss
 
-    start = time.perf_counter()
-    compiled(data[0])
-    compile_seconds = time.perf_counter() - start
-    for step_fn in others.values():
+    first_calls = {}
+    for name, step_fn in {"compiled": compiled, **others}.items():
+        start = time.perf_counter()
         step_fn(data[0])
+        first_calls[name] = time.perf_counter() - start
+    compile_seconds = first_calls["compiled"]
     differences = []
     for batch in data[:3]:
         compiled_loss = compiled(batch)
@@ -137,15 +154,16 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
           f"loss and weight gradients: {max(differences):.1e}")
     print(f"force-training step: eager {1e3 * medians['eager']:.1f} ms, compiled {1e3 * medians['compiled']:.1f} ms, "
           f"speed-up {speedup:.2f}x (median of turns)")
-    if others:
-        ratio = statistics.median(a / b for a, b in zip(times["python wrapper"], times["compiled"]))
-        print(f"compiled with inductor's Python wrapper: {1e3 * medians['python wrapper']:.1f} ms; the C++ wrapper "
-              f"{ratio:.2f}x as fast (median of turns)")
+    for name in others:
+        ratio = statistics.median(a / b for a, b in zip(times[name], times["compiled"]))
+        print(f"compiled, {name}: first call {first_calls[name]:.1f} s, step {1e3 * medians[name]:.1f} ms; "
+              f"e3attn's compiled step {ratio:.2f}x as fast (median of turns)")
     report = {"meta": {"machine": cpu_name(), "python": platform.python_version(), "torch": torch.__version__,
                        "threads": args.threads, "dtype": args.dtype, "backend": args.backend,
                        "molecule": args.molecule, "batch_size": args.batch_size, "atoms": atoms, "edges": edges,
                        "steps": args.steps, "repeats": args.repeats, "model": dict(vars(args.model))},
-              "compile_seconds": compile_seconds, "largest_relative_difference": max(differences),
+              "compile_seconds": compile_seconds, "first_call_seconds": first_calls,
+              "largest_relative_difference": max(differences),
               "seconds": times, "median_seconds": medians, "speedup": speedup}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))

@@ -25,8 +25,11 @@ _GRAPHS = contextvars.ContextVar("e3attn_traced_graphs", default=None)
 #: Inductor's options for the graphs of CPU tensors. A C++ wrapper (``cpp_wrapper``) calls the generated kernels
 #: and the operators left to ATen from one compiled function, where the default Python wrapper pays Python's cost
 #: for each of some hundred calls (``python benchmarks/compiled_step.py --threads 2 --python-wrapper``: the
-#: training command's step 1.17 times as fast as with the Python wrapper, the first call no slower).
-CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True}
+#: training command's step 1.17 times as fast as with the Python wrapper). The wrapper and the kernels are
+#: compiled as two translation units (``cpp_wrapper_build_separate``), the wrapper's glue at ``-O1`` and the
+#: kernels at ``-O3``, where one unit at ``-O3`` spends most of its time optimising the glue
+#: (``--one-unit``: the same step time, the first call with an empty cache about 45 s shorter).
+CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 
 
 @contextlib.contextmanager
@@ -65,7 +68,8 @@ class TracedGraphs:
     ``num_graphs(*args)``, the number of graphs that the trace reads from :func:`traced_step`.
 
     With a ``backend``, each new graph is compiled by ``torch.compile(graph, backend=backend, dynamic=True)`` at
-    its first call; inductor compiles the graphs of CPU tensors with :data:`CPU_INDUCTOR_OPTIONS` (a C++ wrapper).
+    its first call; inductor compiles the graphs of CPU tensors with :data:`CPU_INDUCTOR_OPTIONS` (a C++ wrapper, compiled
+    apart from the kernels).
     On CPU tensors the compiled graphs run with deterministic algorithms on (warnings only, new
     memory not filled): then inductor leaves the accumulating ``index_put`` of ``index_add`` to ATen, since its
     vectorised C++ code for it fails an assertion on some graphs when it runs on more than one thread (torch

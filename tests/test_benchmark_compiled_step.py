@@ -22,9 +22,11 @@ def test_quick_run_compares_the_traced_step_with_the_eager_step(tmp_path, capsys
     assert "force-training step: eager" in capsys.readouterr().out
 
 
-def test_the_python_wrapper_is_timed_only_beside_inductor(capsys):
+@pytest.mark.parametrize("flag", ["--python-wrapper", "--one-unit"])
+def test_other_inductor_variants_are_timed_only_beside_inductor(capsys, flag):
     bench = load_script("benchmarks/compiled_step.py")
     with pytest.raises(SystemExit) as stop:
-        bench.parse_args(["--python-wrapper", "--backend", "none"])
+        bench.parse_args([flag, "--backend", "none"])
     assert stop.value.code == 2
-    assert "argument --python-wrapper: only with --backend inductor" in capsys.readouterr().err
+    assert f"argument {flag}: only with --backend inductor" in capsys.readouterr().err
+    assert bench.parse_args([flag]).backend == "inductor"

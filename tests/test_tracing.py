@@ -58,7 +58,8 @@ def test_a_graph_that_does_not_compile_runs_traced_with_a_warning():
         TracedGraphs(lambda x: x, num_graphs=lambda x: 1, backend="nonsense")
 
 
-@pytest.mark.parametrize("backend, options", [("inductor", {"cpp_wrapper": True}), ("eager", None)])
+@pytest.mark.parametrize("backend, options", [("inductor", {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}),
+                                              ("eager", None)])
 def test_inductor_compiles_cpu_graphs_with_its_cpp_wrapper(monkeypatch, backend, options):
     asked = []
 
