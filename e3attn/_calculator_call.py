@@ -16,6 +16,7 @@ import torch
 
 from ._checks import values_checked_by_caller
 from ._tracing import TracedGraphs, weights_as_inputs
+from .kernels.segment_ops import arguments_checked_by_caller
 from .models.energy import energy_and_forces, energy_forces_stress
 
 __all__ = ["call_values", "CompiledCall", "frozen"]
@@ -79,6 +80,6 @@ class CompiledCall:
 
     def __call__(self, pos: torch.Tensor, cell: torch.Tensor, node_attr: torch.Tensor, edge_index: torch.Tensor,
                  shifts: torch.Tensor, with_stress: bool) -> torch.Tensor:
-        with torch.no_grad():
+        with torch.no_grad(), arguments_checked_by_caller():  # the caller's own edges (call_values)
             return self.graphs[with_stress]([w.detach() for w in self.weights], pos, cell, node_attr, edge_index,
                                             shifts)

@@ -75,7 +75,9 @@ class TracedGraphs:
     vectorised C++ code for it fails an assertion on some graphs when it runs on more than one thread (torch
     2.13); and every call must have the state of the first, which dynamo guards. A graph that does not compile
     at its first call runs as traced, with a warning that names the error (a later recompile by dynamo, on a guard
-    of its own, is not caught). Not thread-safe: the deterministic setting and the tracer's configuration are
+    of its own, is not caught). The graphs run in ``torch.inference_mode()``, compiled in it too: they compute
+    their derivatives themselves, and their operators skip autograd's dispatch; what they return is cloned into
+    normal tensors. Not thread-safe: the deterministic setting and the tracer's configuration are
     process-wide, so one object's calls, and those of several, belong in one thread.
 
     Args:
@@ -114,7 +116,7 @@ class TracedGraphs:
         key = (spec, int(self.num_graphs(*args)), tuple((t.dtype, t.device, t.dim()) for t in flat))
         for graph_key, admits, graph in self.graphs:
             if graph_key == key and admits(flat):
-                return graph(*args)
+                return _in_inference_mode(graph)(*args)
         admits, graph = self._trace(args, key[1])
         out, graph = self._first_call(graph, args, cpu=all(t.device.type == "cpu" for t in flat))
         self.graphs.append((key, admits, graph))
@@ -139,20 +141,33 @@ class TracedGraphs:
     def _first_call(self, graph: Callable, args: Tuple, cpu: bool) -> Tuple[Any, Callable]:
         """The first call of a new ``graph``, compiled if there is a backend, and the graph to keep."""
         if self.backend is None:
-            return graph(*args), graph
+            return _in_inference_mode(graph)(*args), graph
         options = CPU_INDUCTOR_OPTIONS if cpu and self.backend == "inductor" else None
         compiled = torch.compile(graph, backend=self.backend, dynamic=True, options=options)
         if cpu:  # compiled and called with the same global state: dynamo guards it, and would compile again
             compiled = _with_deterministic_algorithms(compiled)
         try:
-            return compiled(*args), compiled
+            return _in_inference_mode(compiled)(*args), compiled
         except Exception as error:  # a compiler's failure: the traced graph computes the same
             while getattr(error, "inner_exception", None) or error.__cause__:  # what the backend raised
                 error = getattr(error, "inner_exception", None) or error.__cause__
             first = (str(error).strip().splitlines() or [""])[0]
             warnings.warn(f"torch.compile (backend {self.backend!r}) failed on a traced graph, which runs "
                           f"uncompiled: {type(error).__name__}: {first}")
-            return graph(*args), graph
+            return _in_inference_mode(graph)(*args), graph
+
+
+def _in_inference_mode(fn: Callable) -> Callable:
+    """``fn`` run in ``torch.inference_mode()`` (a traced graph computes its derivatives itself: its operators,
+    e3attn's node kernels among them, need not pass through autograd's dispatch), what it returns cloned outside it
+    into normal tensors (which the caller can update in place, as an optimiser does gradients)."""
+
+    def call(*args: Any) -> Any:
+        with torch.inference_mode():
+            out = fn(*args)
+        return pytree.tree_map_only(torch.Tensor, torch.clone, out)
+
+    return call
 
 
 def _with_deterministic_algorithms(fn: Callable) -> Callable:

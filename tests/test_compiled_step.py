@@ -5,6 +5,7 @@ from ase.build import molecule
 from ase.calculators.singlepoint import SinglePointCalculator
 
 from e3attn._tracing import traced_graphs, traced_step, tracing
+from e3attn.kernels import segment_ops
 from e3attn.models import EquivariantTransformer
 from e3attn.train import collate, fit_references, loss_fn, predict, to_sample
 from e3attn.train.compiled import CompiledStep
@@ -96,6 +97,32 @@ def test_stress_is_refused_and_the_tracing_context_is_checked():
     with traced_step(3):
         assert tracing() and traced_graphs() == 3
     assert not tracing() and traced_graphs() is None
+
+
+def test_the_batch_is_checked_once_and_the_graphs_kernels_take_their_arguments_as_checked(monkeypatch):
+    """The traced graph reads no values: the step checks the batch's, and its node kernels check nothing more
+    (their checks would read ``rowptr`` and ``index`` at every call of every operator)."""
+    data = samples(2, seed=2, dtype=torch.float64)
+    model, units = model_and_units(data, torch.float64)
+    step, batch = CompiledStep(model, units, WEIGHTS, backend=None), collate(data)
+    calls = []
+    real = segment_ops.node_arguments
+    monkeypatch.setattr(segment_ops, "node_arguments", lambda *args: calls.append(1) or real(*args))
+    expected = eager_loss_and_gradients(model, batch, units)[0]
+    assert calls  # the eager step checks the kernels' arguments
+    calls.clear()
+    assert torch.allclose(step(batch), expected, rtol=1e-12, atol=0)
+    assert not calls and not segment_ops._TRUSTED.get()  # none within the graph; trusted only while it ran
+    bad = dict(batch, edge_index=batch["edge_index"].clone())
+    bad["edge_index"][0, 0] = batch["pos"].shape[0]  # one row past the atoms: the kernels would read past x
+    with pytest.raises(ValueError, match=r"edge_index has entries in \[0, 18\], outside the valid node range "
+                                         r"\[0, 18\)"):
+        step(bad)
+    nan = dict(batch, pos=batch["pos"].clone())
+    nan["pos"][3, 1] = float("nan")
+    with pytest.raises(ValueError, match="pos"):
+        step(nan)
+    assert len(step.graphs.graphs) == 1 and not segment_ops._TRUSTED.get()
 
 
 @pytest.mark.slow

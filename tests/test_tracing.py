@@ -71,3 +71,23 @@ def test_inductor_compiles_cpu_graphs_with_its_cpp_wrapper(monkeypatch, backend,
     traced = TracedGraphs(lambda x: x + 1, num_graphs=lambda x: 1, backend=backend)
     assert torch.equal(traced(torch.zeros(3)), torch.ones(3))
     assert asked == [dict(backend=backend, dynamic=True, options=options)]
+
+
+def test_the_graphs_run_in_inference_mode_and_return_normal_tensors():
+    modes = []
+
+    def backend(graph, example_inputs):
+        def run(*args):
+            modes.append(torch.is_inference_mode_enabled())
+            return graph(*args)
+
+        return run
+
+    for traced in (TracedGraphs(lambda x: {"y": 2 * x}, num_graphs=lambda x: 1, backend=backend),
+                   TracedGraphs(lambda x: {"y": 2 * x}, num_graphs=lambda x: 1)):  # the traced graph as it is
+        for _ in range(2):  # the first call (tracing, compiling) and a later one
+            out = traced(torch.ones(3))["y"]
+            assert not out.is_inference() and not torch.is_inference_mode_enabled()
+            out.add_(1)  # a normal tensor: updated in place outside inference mode
+            assert torch.equal(out, torch.full((3,), 3.0))
+    assert modes == [True, True]

@@ -337,6 +337,39 @@ def test_the_loss_options_reach_training_and_validation(data, monkeypatch):
     assert all(k["loss"] == "huber" and k["huber_delta"] == 0.3 for k in seen)
 
 
+def test_the_compiled_step_s_first_call_is_not_taken_for_an_epoch_s_time(data, monkeypatch):
+    """The budget's estimate of the next epoch leaves out the first call's tracing and compiling: with a first call
+    of 1 s and a budget of 1.8 s, training goes on after the first epoch (it stopped there when the estimate of
+    the second epoch included the first call)."""
+    import time
+
+    import e3attn.train.loop as loop
+    from e3attn.train import build_model, loss_fn, predict
+
+    class SlowFirstCall:  # the eager step, its first call as long as a compile
+        def __init__(self, module, units, weights):
+            self.module, self.units, self.weights, self.calls = module, units, weights, 0
+
+        def __call__(self, batch):
+            if not self.calls:
+                time.sleep(1.0)
+            self.calls += 1
+            loss = loss_fn(predict(self.module, batch, self.units, create_graph=True), batch, self.units,
+                           **self.weights)
+            loss.backward()
+            return loss.detach()
+
+    monkeypatch.setattr(loop, "CompiledStep", SlowFirstCall)
+    samples = [to_sample(a, ["Ni", "Cu"], 3.0) for a in read(data["ptrain"], index=":")]
+    args = cli.parse_args(["--train-file", "unused"] + TINY + ["--compile", "--time-budget", "1.8", "--epochs", "40",
+                                                               "--batch-size", "5"])
+    args.avg_num_neighbors, args.max_radius = 10.0, 3.0
+    torch.manual_seed(0)
+    result = fit(build_model(args, 2), samples[:15], fit_references(samples[:15], ["Ni", "Cu"]), args, "cpu",
+                 valid_set=samples[15:])
+    assert len(result.train_losses) >= 3, result
+
+
 def test_validation_loss_refuses_an_empty_set():
     from e3attn.models import EquivariantTransformer
     from e3attn.train import validation_loss

@@ -5,7 +5,9 @@ from typing import List, Tuple
 
 import torch
 
+from .._checks import check_batch, check_edge_index, check_pos
 from .._tracing import TracedGraphs, weights_as_inputs
+from ..kernels.segment_ops import arguments_checked_by_caller
 from .model import loss_fn, predict
 
 __all__ = ["CompiledStep"]
@@ -29,8 +31,10 @@ class CompiledStep:
     One graph serves every batch of the same number of structures whose sizes (atoms, edges) meet the guards of
     its trace (:class:`~e3attn._tracing.TracedGraphs`): batches of one molecule with varying numbers of edges
     share it. A batch of another number of structures is traced and compiled anew (tens of seconds to minutes on
-    a CPU), so the training command drops the last, smaller batch of each epoch. Float32 and float64; no stress,
-    no autocast.
+    a CPU), so the training command drops the last, smaller batch of each epoch. A call checks the batch's values
+    as the model does in eager mode (finite positions, the edges' node indices in range), and the graph's node
+    kernels then take their arguments as checked
+    (:func:`~e3attn.kernels.segment_ops.arguments_checked_by_caller`). Float32 and float64; no stress, no autocast.
 
     Args:
         model: the energy model (an :class:`~e3attn.models.EquivariantTransformer`, not DDP-wrapped).
@@ -73,8 +77,12 @@ class CompiledStep:
         batch does not reach, e.g. the attention's without edges, as after ``loss.backward()``)."""
         if "stress" in batch:
             raise ValueError("batch: a compiled step trains on energies and forces, not stress")
+        # the graph checks no values (traced without them): the batch's here, once, and its operators none
+        check_pos(batch["pos"])
+        check_edge_index(batch["edge_index"], batch["pos"].shape[0])
+        check_batch(batch["batch"], batch["pos"].shape[0])
         params = [p.detach().requires_grad_(True) for p in self.params]
-        with torch.no_grad():
+        with torch.no_grad(), arguments_checked_by_caller():
             loss, *grads = self.graphs(params, batch)
         for p, g in zip(self.params, grads):
             p.grad = g

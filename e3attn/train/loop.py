@@ -273,7 +273,9 @@ def fit(model: torch.nn.Module, train_set: Sequence[dict], units: dict, args: ar
                 valid_losses.append(validation_loss(module, valid_set, units, device, args.amp, weights, args.ddp))
                 if valid_losses[-1] < best[0]:
                     best = (valid_losses[-1], epoch + 1, {k: v.detach().clone() for k, v in module.state_dict().items()})
+        # the next epoch's time, as this one's without the compiled step's first call (tracing, compiling)
         epoch_time = synced_max(time.perf_counter() - start, args.ddp, device) - elapsed
+        epoch_time -= warmup if epoch == 0 else 0.0
         if bar is not None:
             bar.update()
             bar.set_postfix(loss=f"{losses[-1]:.3e}", **({"valid": f"{valid_losses[-1]:.3e}"} if valid_set else {}))
