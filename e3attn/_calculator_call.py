@@ -16,7 +16,7 @@ import torch
 
 from ._checks import values_checked_by_caller
 from ._tracing import TracedGraphs, weights_as_inputs
-from .kernels.segment_ops import arguments_checked_by_caller
+from .kernels.segment_checks import arguments_checked_by_caller
 from .models.energy import energy_and_forces, energy_forces_stress
 
 __all__ = ["call_values", "CompiledCall", "frozen"]

@@ -4,7 +4,9 @@ first, with an error naming the argument. Index tables are checked once per tens
 (``e3attn._remembered``)."""
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+import contextlib
+import contextvars
+from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -12,7 +14,28 @@ import torch
 from .cpu import _array
 from .._remembered import checked, remember
 
-__all__ = ["check_blocks", "check_segments", "check_shape", "common_dtype", "node_arguments"]
+__all__ = ["arguments_checked_by_caller", "check_blocks", "check_segments", "check_shape", "common_dtype",
+           "node_arguments"]
+
+# set while a backward formula of segment_ops runs (the operators it calls take the forward's checked inputs and
+# gradients of the forward's outputs: autograd gives those their shapes, dtypes and devices) and within
+# arguments_checked_by_caller: the operators of segment_ops check nothing
+_TRUSTED = contextvars.ContextVar("e3attn_segment_arguments_trusted", default=False)
+
+
+@contextlib.contextmanager
+def arguments_checked_by_caller() -> Iterator[None]:
+    """Within this context the operators of :mod:`e3attn.kernels.segment_ops` do not check their arguments: for a
+    caller that runs a graph traced from e3attn's layer, whose operators' arguments the graph derives from inputs
+    the caller has checked (the edges' node indices in range, as ``e3attn._checks.check_edge_index`` checks them). The
+    kernels index without bounds checks, so nothing else belongs in it. A traced graph's operators get new tensors
+    at every call, so their checks, remembered per tensor in eager mode, would otherwise read ``rowptr`` and
+    ``index`` at every call of every operator."""
+    token = _TRUSTED.set(True)
+    try:
+        yield
+    finally:
+        _TRUSTED.reset(token)
 
 
 def check_segments(rowptr: torch.Tensor, num_edges: int, num_nodes: int, device: torch.device) -> None:

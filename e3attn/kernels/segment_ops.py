@@ -32,10 +32,8 @@ registered operators.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -46,31 +44,12 @@ from .backends import backend
 from .cpu import _array, _forward_groups
 from .layout import component_major_paths, layout_for, padded_paths
 from .._remembered import checked, remember
-from .segment_checks import check_blocks, check_shape, common_dtype, node_arguments
+from .segment_checks import _TRUSTED, check_blocks, check_shape, common_dtype, node_arguments
 from .threads import groups_for, parallel, reduction_groups
 
-__all__ = ["arguments_checked_by_caller", "call", "node_expand", "node_outer", "path_features",
-           "path_features_backward"]
+__all__ = ["call", "node_expand", "node_outer", "path_features", "path_features_backward"]
 
 _TILE = 64  # edges per tile of the path features (longer tiles measured slower: the tile leaves the cache)
-# set while a backward formula of this module runs: the operators it calls take the forward's checked inputs and
-# gradients of the forward's outputs (autograd gives those their shapes, dtypes and devices), checked no further
-_TRUSTED = contextvars.ContextVar("e3attn_segment_arguments_trusted", default=False)
-
-
-@contextlib.contextmanager
-def arguments_checked_by_caller() -> Iterator[None]:
-    """Within this context the operators of this module do not check their arguments: for a caller that runs a
-    graph traced from e3attn's layer, whose operators' arguments the graph derives from inputs the caller has
-    checked (the edges' node indices in range: :func:`~e3attn._checks.check_edge_index`). The kernels index without
-    bounds checks, so nothing else belongs in it. A traced graph's operators get new tensors at every call, so
-    their checks, remembered per tensor in eager mode, would otherwise read ``rowptr`` and ``index`` at every call
-    of every operator."""
-    token = _TRUSTED.set(True)
-    try:
-        yield
-    finally:
-        _TRUSTED.reset(token)
 
 
 def _node_groups(rowptr: torch.Tensor, work: int) -> int:

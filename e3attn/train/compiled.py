@@ -7,7 +7,7 @@ import torch
 
 from .._checks import check_batch, check_edge_index, check_pos
 from .._tracing import TracedGraphs, weights_as_inputs
-from ..kernels.segment_ops import arguments_checked_by_caller
+from ..kernels.segment_checks import arguments_checked_by_caller
 from .model import loss_fn, predict
 
 __all__ = ["CompiledStep"]
@@ -34,7 +34,7 @@ class CompiledStep:
     a CPU), so the training command drops the last, smaller batch of each epoch. A call checks the batch's values
     as the model does in eager mode (finite positions, the edges' node indices in range), and the graph's node
     kernels then take their arguments as checked
-    (:func:`~e3attn.kernels.segment_ops.arguments_checked_by_caller`). Float32 and float64; no stress, no autocast.
+    (:func:`~e3attn.kernels.segment_checks.arguments_checked_by_caller`). Float32 and float64; no stress, no autocast.
 
     Args:
         model: the energy model (an :class:`~e3attn.models.EquivariantTransformer`, not DDP-wrapped).
