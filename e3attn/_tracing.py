@@ -28,7 +28,7 @@ _GRAPHS = contextvars.ContextVar("e3attn_traced_graphs", default=None)
 #: training command's step 1.17 times as fast as with the Python wrapper). The wrapper and the kernels are
 #: compiled as two translation units (``cpp_wrapper_build_separate``), the wrapper's glue at ``-O1`` and the
 #: kernels at ``-O3``, where one unit at ``-O3`` spends most of its time optimising the glue
-#: (``--one-unit``: the same step time, the first call with an empty cache about 45 s shorter).
+#: (``--one-unit``: the same step time, the first call with an empty cache 19 s shorter, 149 s against 169 s).
 CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 
 
@@ -68,14 +68,13 @@ class TracedGraphs:
     ``num_graphs(*args)``, the number of graphs that the trace reads from :func:`traced_step`.
 
     With a ``backend``, each new graph is compiled by ``torch.compile(graph, backend=backend, dynamic=True)`` at
-    its first call; inductor compiles the graphs of CPU tensors with :data:`CPU_INDUCTOR_OPTIONS` (a C++ wrapper, compiled
-    apart from the kernels).
-    On CPU tensors the compiled graphs run with deterministic algorithms on (warnings only, new
-    memory not filled): then inductor leaves the accumulating ``index_put`` of ``index_add`` to ATen, since its
-    vectorised C++ code for it fails an assertion on some graphs when it runs on more than one thread (torch
-    2.13); and every call must have the state of the first, which dynamo guards. A graph that does not compile
-    at its first call runs as traced, with a warning that names the error (a later recompile by dynamo, on a guard
-    of its own, is not caught). The graphs run in ``torch.inference_mode()``, compiled in it too: they compute
+    its first call; inductor compiles the graphs of CPU tensors with :data:`CPU_INDUCTOR_OPTIONS` (a C++ wrapper,
+    compiled apart from the kernels). On CPU tensors the compiled graphs run with deterministic algorithms on
+    (warnings only, new memory not filled): then inductor leaves the accumulating ``index_put`` of ``index_add`` to
+    ATen, since its vectorised C++ code for it fails an assertion on some graphs when it runs on more than one
+    thread (torch 2.13); and every call must have the state of the first, which dynamo guards. A graph that does not
+    compile at its first call runs as traced, with a warning that names the error (a later recompile by dynamo, on a
+    guard of its own, is not caught). The graphs run in ``torch.inference_mode()``, compiled in it too: they compute
     their derivatives themselves, and their operators skip autograd's dispatch; what they return is cloned into
     normal tensors. Not thread-safe: the deterministic setting and the tracer's configuration are
     process-wide, so one object's calls, and those of several, belong in one thread.

@@ -44,7 +44,8 @@ from .backends import backend
 from .cpu import _array, _forward_groups
 from .layout import component_major_paths, layout_for, padded_paths
 from .._remembered import checked, remember
-from .segment_checks import _TRUSTED, check_blocks, check_shape, common_dtype, node_arguments
+from .segment_checks import (_TRUSTED, arguments_checked_by_caller, check_blocks, check_shape, common_dtype,
+                             node_arguments)
 from .threads import groups_for, parallel, reduction_groups
 
 __all__ = ["call", "node_expand", "node_outer", "path_features", "path_features_backward"]
@@ -223,11 +224,8 @@ def _trusting(backward: Callable) -> Callable:
 
     @functools.wraps(backward)
     def run(ctx, *grads):
-        token = _TRUSTED.set(True)
-        try:
+        with arguments_checked_by_caller():
             return backward(ctx, *grads)
-        finally:
-            _TRUSTED.reset(token)
 
     return run
 
