@@ -298,13 +298,14 @@ def organic_rows(args) -> List[dict]:
                              valid_set=samples["valid"] or None)
                 test = evaluate(model, samples["test"], units, torch.device("cpu"))
                 metrics = {"epochs": len(result.train_losses), "train_seconds": result.seconds,
-                           "num_train": len(samples["train"]),
+                           "num_train": len(samples["train"]), "compiled_steps": result.compiled,
                            "test": {k: v for k, v in test.items() if not k.startswith(("true_", "pred_"))}}
                 params = sum(p.numel() for p in model.parameters())
             rows.append({"molecule": name, "model": model_name, "parameters": params, "epochs": metrics["epochs"],
                          "processes": args.processes if model_name == "e3attn" else 1,
                          "train_seconds": metrics["train_seconds"], "num_train": metrics["num_train"],
                          "num_test": metrics["test"]["num_structures"],
+                         "compiled_steps": metrics.get("compiled_steps", False),
                          "energy_mae_meV_per_atom": metrics["test"]["energy_mae_meV_per_atom"],
                          "force_mae_meV_per_A": metrics["test"]["force_mae_meV_per_A"]})
             _print_row(rows[-1])

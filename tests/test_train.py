@@ -226,6 +226,7 @@ def bad_inputs(data, tmp_path):
         (train + ["--loss", "l1"], "argument --loss: invalid choice: 'l1'"),
         (train + ["--loss", "huber", "--huber-delta", "0"], "argument --huber-delta: expected a positive number"),
         (train + ["--compile", "--ddp"], "argument --compile: not with --ddp"),
+        (train + ["--compile", "maybe"], "argument --compile: expected auto, on or off, got 'maybe'"),
         (["--train-file", str(data["ptrain"]), "--compile"], "--compile: the structures of --train-file have stress"),
     ]
 

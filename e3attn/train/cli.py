@@ -212,7 +212,7 @@ def run(args: argparse.Namespace) -> dict:
     """Read the data (:func:`load_data`), train, evaluate, print one line per split, write ``--save`` and
     ``--metrics``; returns the metrics. Raises :class:`~e3attn.train.DataError` on data that cannot be trained on."""
     species, samples, units = load_data(args)
-    if getattr(args, "compile", False) and "stress" in samples["train"][0]:
+    if args.compile == "on" and "stress" in samples["train"][0]:
         raise CommandError(f"--compile: the structures of --train-file have stress ({args.stress_key!r}), which a "
                            "compiled step does not train on; leave out --compile, or give --stress-key none")
     rank, world, device = init_distributed(args)
@@ -237,7 +237,7 @@ def run(args: argparse.Namespace) -> dict:
                            f"(now {args.lr:g})")
     metrics = {"species": species, "epochs": len(result.train_losses), "best_epoch": result.best_epoch,
                "train_seconds": result.seconds, "num_train": len(samples["train"]), "world_size": world,
-               "parameters": sum(p.numel() for p in module.parameters())}
+               "parameters": sum(p.numel() for p in module.parameters()), "compiled_steps": result.compiled}
     for name in ("valid", "test"):
         if samples.get(name) and rank == 0:
             errors = evaluate(module, samples[name], units, device, args.amp, weights=loss_options(args))

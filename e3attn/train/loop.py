@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import sys
 import time
 from typing import List, NamedTuple, Optional, Sequence
 
@@ -12,21 +13,31 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from .compiled import CompiledStep
+from .compiled import CompiledStep, auto_compile, compile_setting
 from .data import collate
 from .model import evaluate, loss_fn, loss_options, predict, to_device
 
 __all__ = ["FitResult", "WeightAverage", "adam", "fit", "init_distributed", "synced_max", "progress", "validation_loss"]
 
 
-class FitResult(NamedTuple):
-    """What :func:`fit` did: the mean training loss and validation loss of every epoch (no validation: an empty
-    list), the seconds taken, and the epoch (from 1) whose weights the model holds now."""
-
+class _Fit(NamedTuple):
     train_losses: List[float]
     valid_losses: List[float]
     seconds: float
     best_epoch: int
+
+
+class FitResult(_Fit):
+    """What :func:`fit` did: the mean training loss and validation loss of every epoch (no validation: an empty
+    list), the seconds taken, and the epoch (from 1) whose weights the model holds now; and, as an attribute (the
+    tuple has the four fields above), ``compiled``: whether the steps ended compiled
+    (:class:`~e3attn.train.compiled.CompiledStep`)."""
+
+    def __new__(cls, train_losses: List[float], valid_losses: List[float], seconds: float, best_epoch: int,
+                compiled: bool = False) -> "FitResult":
+        result = super().__new__(cls, train_losses, valid_losses, seconds, best_epoch)
+        result.compiled = compiled
+        return result
 
 
 def init_distributed(args: argparse.Namespace):
@@ -199,11 +210,15 @@ def fit(model: torch.nn.Module, train_set: Sequence[dict], units: dict, args: ar
     :func:`~e3attn.train.loss_options` reads from ``args`` (``args.force_weight``, ``args.energy_weight``, and where
     ``args`` has them ``args.stress_weight``, ``args.loss``, ``args.huber_delta``), for validation too. With
     ``args.time_budget`` no epoch starts that would not end within it (validation included). With ``args.ddp`` the
-    processes share out the validation set (:func:`validation_loss`). With ``args.compile`` (where ``args`` has
-    it) every step is one traced and compiled graph (:class:`~e3attn.train.compiled.CompiledStep`: the same loss and
+    processes share out the validation set (:func:`validation_loss`). With ``args.compile`` ``"on"`` (or ``True``)
+    every step is one traced and compiled graph (:class:`~e3attn.train.compiled.CompiledStep`: the same loss and
     gradients, its first call of a batch shape tracing and compiling, within the budget; the cosine schedule runs
     over the rest of the budget), and the last, smaller batch of every epoch is left out (another shape, another
-    compilation). With ``args.ema``
+    compilation). With ``"auto"`` the first epoch runs eager steps, and the steps after it are compiled where
+    :func:`~e3attn.train.compiled.auto_compile` finds that it pays (a CPU, at least
+    :data:`~e3attn.train.compiled.AUTO_COMPILE_SECONDS` of training left); a first call that fails then (no C++
+    compiler, ...) leaves the eager steps, with a line on standard error. ``"off"``, ``False`` or no
+    ``args.compile``: eager steps. With ``args.ema``
     :math:`> 0` the validation, the model kept and the model returned are those of the moving average of the
     weights (:class:`WeightAverage`).
 
@@ -226,11 +241,16 @@ def fit(model: torch.nn.Module, train_set: Sequence[dict], units: dict, args: ar
     sampler = DistributedSampler(train_set, world, rank, shuffle=True, seed=args.seed) if args.ddp else None
     module = getattr(model, "module", model)
     weights = loss_options(args)
-    # compiled: one graph per shape of batch, so the last, smaller batch of an epoch is left out (another each epoch)
-    compiled = CompiledStep(module, units, weights) if getattr(args, "compile", False) else None
-    loader = DataLoader(train_set, args.batch_size, shuffle=sampler is None, sampler=sampler, collate_fn=collate,
-                        generator=torch.Generator().manual_seed(args.seed),
-                        drop_last=compiled is not None and len(train_set) > args.batch_size)
+    choice = compile_setting(args)
+    generator = torch.Generator().manual_seed(args.seed)  # a new loader (compiled steps) continues its stream
+
+    def batches(compiled: bool) -> DataLoader:
+        # compiled: one graph per shape of batch, so the last, smaller batch of an epoch is left out
+        return DataLoader(train_set, args.batch_size, shuffle=sampler is None, sampler=sampler, collate_fn=collate,
+                          generator=generator, drop_last=compiled and len(train_set) > args.batch_size)
+
+    compiled = CompiledStep(module, units, weights) if choice == "on" else None
+    loader = batches(compiled is not None)
     optimizer = adam(model, args.lr)
     average = WeightAverage(module, getattr(args, "ema", 0.0))
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=3) \
@@ -239,14 +259,24 @@ def fit(model: torch.nn.Module, train_set: Sequence[dict], units: dict, args: ar
     losses, valid_losses, best = [], [], (math.inf, 0, None)
     start, epoch_time = time.perf_counter(), 0.0
     warmup = 0.0  # the compiled step's first call (tracing, compiling): the schedule runs over the rest of the budget
+    traced = False
     for epoch in range(args.epochs):
         elapsed = synced_max(time.perf_counter() - start, args.ddp, device)
         if args.time_budget and epoch > 0 and elapsed + epoch_time > args.time_budget:
             break  # the next epoch would not finish within the budget
+        if choice == "auto" and epoch == 1:  # decided on the first epoch's pace
+            left = (args.epochs - 1) * epoch_time
+            reason = auto_compile(args, device, train_set, min(left, args.time_budget - elapsed) if args.time_budget
+                                  else left)
+            if reason is not None:
+                _log(reason, bar, rank == 0 and not args.quiet)
+                compiled, loader = CompiledStep(module, units, weights), batches(True)
+        if compiled is None and loader.drop_last:  # compiling failed: every batch again
+            loader = batches(False)
         if sampler is not None:
             sampler.set_epoch(epoch)
         model.train()
-        total = 0.0
+        total, first_call = 0.0, 0.0
         for step, batch in enumerate(loader):
             if args.schedule == "cosine":
                 done = progress(args, epoch + step / len(loader), elapsed + step / len(loader) * epoch_time, warmup)
@@ -254,14 +284,27 @@ def fit(model: torch.nn.Module, train_set: Sequence[dict], units: dict, args: ar
                     group["lr"] = args.lr * 0.5 * (1.0 + math.cos(math.pi * done))
             batch = to_device(batch, device)
             optimizer.zero_grad()
-            if compiled is not None:
+            if compiled is not None and not traced:  # the first call traces and compiles
                 first = time.perf_counter()
-                loss = compiled(batch)  # the gradients in the weights' .grad
-                if epoch == 0 and step == 0:
-                    warmup = synced_max(time.perf_counter() - first, args.ddp, device)
+                try:
+                    loss = compiled(batch)  # the gradients in the weights' .grad
+                except Exception as err:
+                    if choice == "on":
+                        raise
+                    # auto: a machine that cannot compile (no C++ compiler, ...) trains with eager steps
+                    message = (str(err).strip() or "no message").splitlines()[0]
+                    _log(f"--compile auto: compiling the training step failed ({type(err).__name__}: {message}); "
+                         "eager steps instead", bar, rank == 0)
+                    compiled = None
+                    optimizer.zero_grad()
+                    loss = _eager_step(model, batch, units, args.amp, weights)
+                else:
+                    first_call = warmup = synced_max(time.perf_counter() - first, args.ddp, device)
+                    traced = True
+            elif compiled is not None:
+                loss = compiled(batch)
             else:
-                loss = loss_fn(predict(model, batch, units, args.amp, create_graph=True), batch, units, **weights)
-                loss.backward()
+                loss = _eager_step(model, batch, units, args.amp, weights)
             optimizer.step()
             average.update()
             total += loss.item()
@@ -274,8 +317,7 @@ def fit(model: torch.nn.Module, train_set: Sequence[dict], units: dict, args: ar
                 if valid_losses[-1] < best[0]:
                     best = (valid_losses[-1], epoch + 1, {k: v.detach().clone() for k, v in module.state_dict().items()})
         # the next epoch's time, as this one's without the compiled step's first call (tracing, compiling)
-        epoch_time = synced_max(time.perf_counter() - start, args.ddp, device) - elapsed
-        epoch_time -= warmup if epoch == 0 else 0.0
+        epoch_time = synced_max(time.perf_counter() - start, args.ddp, device) - elapsed - first_call
         if bar is not None:
             bar.update()
             bar.set_postfix(loss=f"{losses[-1]:.3e}", **({"valid": f"{valid_losses[-1]:.3e}"} if valid_set else {}))
@@ -285,4 +327,18 @@ def fit(model: torch.nn.Module, train_set: Sequence[dict], units: dict, args: ar
         module.load_state_dict(best[2])
     else:
         average.copy_to_model()
-    return FitResult(losses, valid_losses, time.perf_counter() - start, best[1] if best[2] is not None else len(losses))
+    return FitResult(losses, valid_losses, time.perf_counter() - start, best[1] if best[2] is not None else len(losses),
+                     compiled is not None)
+
+
+def _eager_step(model: torch.nn.Module, batch: dict, units: dict, amp: bool, weights: dict) -> torch.Tensor:
+    """The loss of ``batch``, its gradients in the weights' ``.grad`` (autograd, forces' second derivative included)."""
+    loss = loss_fn(predict(model, batch, units, amp, create_graph=True), batch, units, **weights)
+    loss.backward()
+    return loss
+
+
+def _log(line: str, bar, show: bool) -> None:
+    """``line`` on standard error (above the progress bar where there is one), where ``show``."""
+    if show:
+        (bar.write if bar is not None else print)(line, file=sys.stderr)

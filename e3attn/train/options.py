@@ -16,11 +16,12 @@ import torch
 from .._checks import device_present
 from ..models.density import ANGULAR_CHANNELS
 from ..models.transformer import LAYER_NORMS, SELF_CONNECTIONS
+from .compiled import AUTO_COMPILE_SECONDS
 
 __all__ = [
     "ArgumentParser", "fail", "device", "irreps", "positive_int", "non_negative_int", "positive_float",
     "non_negative_float", "fraction", "add_model_options", "add_training_options", "amp_only_on_cuda", "check_compile",
-    "check_files",
+    "check_files", "compile_choice",
 ]
 
 SCHEDULES = ("cosine", "plateau", "constant")
@@ -259,10 +260,14 @@ def add_training_options(p: argparse.ArgumentParser, epochs: int, time_budget: f
                         f"step with this decay (0: the weights themselves; default {d['ema']:g})")
     p.add_argument("--amp", action="store_true", help="bfloat16 autocast (CUDA only)")
     p.add_argument("--ddp", action="store_true", help="DistributedDataParallel; launch with torchrun")
-    p.add_argument("--compile", action="store_true",
+    p.add_argument("--compile", nargs="?", type=compile_choice, const="on", default="auto", metavar="{auto,on,off}",
                    help="trace each step (loss and weight gradients, forces included) into one graph and compile it "
                         "(e3attn.train.compiled.CompiledStep): faster steps after a first one of minutes; the last, "
-                        "smaller batch of an epoch is left out; energies and forces only, not with --ddp or --amp")
+                        "smaller batch of an epoch is left out; energies and forces only, not with --ddp or --amp. "
+                        "auto (the default): eager steps for the first epoch, compiled ones after it on a CPU where "
+                        f"the training left would take at least {AUTO_COMPILE_SECONDS:g} s (e3attn.train.compiled."
+                        "auto_compile); "
+                        "--compile alone: on")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -333,9 +338,25 @@ def amp_only_on_cuda(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def compile_choice(value: str) -> str:
+    """``--compile``: ``auto``, ``on`` or ``off`` (``true`` and ``false``, as a YAML config gives them, are on and
+    off), in any case.
+
+    Example::
+
+        >>> compile_choice("True"), compile_choice("auto")
+        ('on', 'auto')
+    """
+    choice = {"true": "on", "false": "off"}.get(value.lower(), value.lower())
+    if choice not in ("auto", "on", "off"):
+        raise argparse.ArgumentTypeError(f"expected auto, on or off, got {value!r}")
+    return choice
+
+
 def check_compile(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """``--compile`` (where ``args`` has it) only without ``--ddp`` and ``--amp``: one line (``p.error``) else."""
-    if getattr(args, "compile", False):
+    """``--compile on`` (where ``args`` has it) only without ``--ddp`` and ``--amp``: one line (``p.error``) else
+    (``auto`` leaves the steps eager there)."""
+    if getattr(args, "compile", False) in (True, "on"):
         for option in ("ddp", "amp"):
             if getattr(args, option, False):
                 p.error(f"argument --compile: not with --{option} (a compiled step has no DDP hooks nor autocast)")
