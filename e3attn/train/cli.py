@@ -25,6 +25,7 @@ import torch.distributed as dist
 from .._files import atomic_writes
 from ..models import save_checkpoint
 from . import options as opt
+from .compiled import compile_setting
 from .config import config_arguments
 from .data import DataError, LabelKeys, fit_references, mean_neighbors, read_structures, split, to_sample
 from .loop import fit, init_distributed, synced_max
@@ -212,7 +213,7 @@ def run(args: argparse.Namespace) -> dict:
     """Read the data (:func:`load_data`), train, evaluate, print one line per split, write ``--save`` and
     ``--metrics``; returns the metrics. Raises :class:`~e3attn.train.DataError` on data that cannot be trained on."""
     species, samples, units = load_data(args)
-    if args.compile == "on" and "stress" in samples["train"][0]:
+    if compile_setting(args) == "on" and "stress" in samples["train"][0]:
         raise CommandError(f"--compile: the structures of --train-file have stress ({args.stress_key!r}), which a "
                            "compiled step does not train on; leave out --compile, or give --stress-key none")
     rank, world, device = init_distributed(args)

@@ -33,6 +33,8 @@ class FitResult(_Fit):
     tuple has the four fields above), ``compiled``: whether the steps ended compiled
     (:class:`~e3attn.train.compiled.CompiledStep`)."""
 
+    compiled = False  # where a tuple method (_replace, _make) made the result
+
     def __new__(cls, train_losses: List[float], valid_losses: List[float], seconds: float, best_epoch: int,
                 compiled: bool = False) -> "FitResult":
         result = super().__new__(cls, train_losses, valid_losses, seconds, best_epoch)
@@ -216,8 +218,9 @@ def fit(model: torch.nn.Module, train_set: Sequence[dict], units: dict, args: ar
     over the rest of the budget), and the last, smaller batch of every epoch is left out (another shape, another
     compilation). With ``"auto"`` the first epoch runs eager steps, and the steps after it are compiled where
     :func:`~e3attn.train.compiled.auto_compile` finds that it pays (a CPU, at least
-    :data:`~e3attn.train.compiled.AUTO_COMPILE_SECONDS` of training left); a first call that fails then (no C++
-    compiler, ...) leaves the eager steps, with a line on standard error. ``"off"``, ``False`` or no
+    :data:`~e3attn.train.compiled.AUTO_COMPILE_SECONDS` of training left in whole epochs); a step that cannot be
+    traced then leaves the eager steps, with a line on standard error (a compiler that fails leaves the traced
+    graph uncompiled, with a warning). ``"off"``, ``False`` or no
     ``args.compile``: eager steps. With ``args.ema``
     :math:`> 0` the validation, the model kept and the model returned are those of the moving average of the
     weights (:class:`WeightAverage`).
@@ -264,10 +267,11 @@ def fit(model: torch.nn.Module, train_set: Sequence[dict], units: dict, args: ar
         elapsed = synced_max(time.perf_counter() - start, args.ddp, device)
         if args.time_budget and epoch > 0 and elapsed + epoch_time > args.time_budget:
             break  # the next epoch would not finish within the budget
-        if choice == "auto" and epoch == 1:  # decided on the first epoch's pace
-            left = (args.epochs - 1) * epoch_time
-            reason = auto_compile(args, device, train_set, min(left, args.time_budget - elapsed) if args.time_budget
-                                  else left)
+        if choice == "auto" and epoch == 1:  # decided on the first epoch's pace: the whole epochs left
+            epochs_left = args.epochs - 1
+            if args.time_budget:
+                epochs_left = min(epochs_left, math.floor((args.time_budget - elapsed) / max(epoch_time, 1e-9)))
+            reason = auto_compile(args, device, train_set, epochs_left * epoch_time)
             if reason is not None:
                 _log(reason, bar, rank == 0 and not args.quiet)
                 compiled, loader = CompiledStep(module, units, weights), batches(True)
@@ -279,7 +283,8 @@ def fit(model: torch.nn.Module, train_set: Sequence[dict], units: dict, args: ar
         total, first_call = 0.0, 0.0
         for step, batch in enumerate(loader):
             if args.schedule == "cosine":
-                done = progress(args, epoch + step / len(loader), elapsed + step / len(loader) * epoch_time, warmup)
+                seconds = elapsed + first_call + step / len(loader) * epoch_time  # first_call: this epoch's compile
+                done = progress(args, epoch + step / len(loader), seconds, warmup)
                 for group in optimizer.param_groups:
                     group["lr"] = args.lr * 0.5 * (1.0 + math.cos(math.pi * done))
             batch = to_device(batch, device)
@@ -291,7 +296,9 @@ def fit(model: torch.nn.Module, train_set: Sequence[dict], units: dict, args: ar
                 except Exception as err:
                     if choice == "on":
                         raise
-                    # auto: a machine that cannot compile (no C++ compiler, ...) trains with eager steps
+                    # auto: a step that cannot be traced trains eagerly (a compiler's failure does not get here:
+                    # the traced graph then runs uncompiled, e3attn._tracing.TracedGraphs)
+                    first_call = time.perf_counter() - first  # not an epoch's time
                     message = (str(err).strip() or "no message").splitlines()[0]
                     _log(f"--compile auto: compiling the training step failed ({type(err).__name__}: {message}); "
                          "eager steps instead", bar, rank == 0)
