@@ -105,7 +105,8 @@ def compile_setting(args: argparse.Namespace) -> str:
         ('on', 'off')
     """
     choice = getattr(args, "compile", False)
-    choice = {True: "on", False: "off"}.get(choice, choice) if isinstance(choice, bool) else choice
+    if isinstance(choice, bool):
+        choice = "on" if choice else "off"
     if choice not in ("on", "off", "auto"):
         raise ValueError(f"args.compile must be 'auto', 'on', 'off' or a bool, got {choice!r}")
     return choice
