@@ -10,8 +10,10 @@ difference of the weight gradients relative to each weight's largest gradient, a
 times, the two steps in turns, ``--steps`` at a time, ``--repeats`` times. ``--python-wrapper`` also times, in the
 same turns, the graph compiled with inductor's default Python wrapper instead of the C++ wrapper that e3attn asks
 for on the CPU (``e3attn._tracing.CPU_INDUCTOR_OPTIONS``); ``--one-unit`` the graph compiled with the C++ wrapper
-and the kernels in one translation unit at ``-O3`` (e3attn compiles the wrapper apart, at ``-O1``). Each of them is
-compiled at its own first call, after the step's, and its seconds are reported too.
+and the kernels in one translation unit at ``-O3`` (e3attn compiles the wrapper apart, at ``-O1``);
+``--wrapper-o0`` the wrapper compiled apart at ``-O0``; ``--inductor-index-add`` the graph whose
+``index_add`` are left to inductor (e3attn makes them calls of ATen's, ``e3attn._tracing.index_adds_as_calls``).
+Each of them is compiled at its own first call, after the step's, and its seconds are reported too.
 
 Example::
 
@@ -19,6 +21,8 @@ Example::
     python benchmarks/compiled_step.py --threads 2 --dtype float64 --backend none   # the traced graph uncompiled
     python benchmarks/compiled_step.py --threads 2 --python-wrapper                 # C++ against Python wrapper
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python benchmarks/compiled_step.py --threads 2 --one-unit  # cold compiles
+    python benchmarks/compiled_step.py --threads 2 --frames benchmarks/data/organic/aspirin_train.xyz \
+        --inductor-index-add --wrapper-o0      # batches of aspirin's frames (benchmarks/organic_data.py)
 """
 from __future__ import annotations
 
@@ -41,10 +45,11 @@ for path in (ROOT, ROOT / "benchmarks"):  # run from a checkout without installi
 from dense_vs_sparse import cpu_name  # noqa: E402
 from train_step import LOSS, batches, parse_with_model  # noqa: E402
 
+from e3attn._tracing import cpu_inductor_options, index_adds_as_calls  # noqa: E402
 from e3attn.train import cli, collate  # noqa: E402
 from e3attn.train import options as opt  # noqa: E402
 from e3attn.train.compiled import CompiledStep  # noqa: E402
-from e3attn.train.data import mean_neighbors  # noqa: E402
+from e3attn.train.data import mean_neighbors, read_structures, to_sample  # noqa: E402
 from e3attn.train.loop import adam  # noqa: E402
 from e3attn.train.model import build_model, loss_fn, predict  # noqa: E402
 
@@ -57,6 +62,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     argv = argv[: argv.index("--")] if "--" in argv else argv
     p = opt.ArgumentParser(__doc__.split("\n\n")[0])
     p.add_argument("--molecule", default="CH3CH2OH", help="an ASE molecule name (default CH3CH2OH, ethanol)")
+    p.add_argument("--frames", metavar="FILE",
+                   help="batches of the first structures of FILE (any file ASE reads) instead of copies of --molecule")
     p.add_argument("--batch-size", type=opt.positive_int, default=cli.TRAINING_DEFAULTS["batch_size"])
     p.add_argument("--threads", type=opt.positive_int, default=1)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
@@ -66,29 +73,62 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--one-unit", action="store_true",
                    help="also time the step compiled with the C++ wrapper and the kernels in one translation unit "
                         "(CPU, --backend inductor)")
+    p.add_argument("--wrapper-o0", action="store_true",
+                   help="also time the step whose C++ wrapper is compiled at -O0 (CPU, --backend inductor)")
+    p.add_argument("--inductor-index-add", action="store_true",
+                   help="also time the step whose index_add are left to inductor (CPU, --backend inductor)")
     p.add_argument("--steps", type=opt.positive_int, default=10, help="steps per turn")
     p.add_argument("--repeats", type=opt.positive_int, default=5, help="turns of each step")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compiled_step.json"))
     args = parse_with_model(p, argv, model_argv)
-    for flag, name in (("--python-wrapper", "python_wrapper"), ("--one-unit", "one_unit")):
+    if args.frames and not Path(args.frames).is_file():
+        p.error(f"argument --frames: no such file: {args.frames}")
+    for name in ("python_wrapper", "one_unit", "wrapper_o0", "inductor_index_add"):
         if getattr(args, name) and args.backend != "inductor":
-            p.error(f"argument {flag}: only with --backend inductor")
+            p.error(f"argument --{name.replace('_', '-')}: only with --backend inductor")
     return args
 
 
-def inductor_with(**patches: object):
-    """Inductor with its configuration patched by ``patches`` (a ``torch.compile`` backend)."""
+def frame_batches(path: str, batch_size: int, count: int, max_radius: float):
+    """``count`` batches of ``batch_size`` of the first structures of the file ``path``, with random labels (only
+    their sizes matter here); the elements."""
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    structures = read_structures(path, "--frames")
+    if len(structures) < batch_size * count:
+        raise SystemExit(f"argument --frames: {path} has {len(structures)} structures, fewer than --batch-size "
+                         f"times --steps ({batch_size * count})")
+    species = sorted({symbol for atoms in structures for symbol in atoms.get_chemical_symbols()})
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for atoms in structures[: batch_size * count]:
+        atoms = atoms.copy()
+        forces = torch.randn(len(atoms), 3, generator=g, dtype=torch.float64).numpy()
+        atoms.calc = SinglePointCalculator(atoms, energy=float(torch.randn(1, generator=g)), forces=forces)
+        samples.append(to_sample(atoms, species, max_radius))
+    return [samples[i : i + batch_size] for i in range(0, len(samples), batch_size)], species
+
+
+def inductor_with(patches: dict, index_adds: bool = True):
+    """Inductor with its configuration patched by ``patches`` (a ``torch.compile`` backend), the ``index_add`` of
+    the graph made calls of ATen's first where ``index_adds``, as e3attn does on its traced graphs."""
     from torch._inductor.compile_fx import compile_fx
 
     def backend(graph: torch.fx.GraphModule, example_inputs: list):
+        if index_adds:
+            index_adds_as_calls(graph)
         return compile_fx(graph, example_inputs, config_patches=patches)
 
     return backend
 
 
-VARIANTS = {"python wrapper": ("python_wrapper", dict(cpp_wrapper=False)),
-            "one unit": ("one_unit", dict(cpp_wrapper=True, cpp_wrapper_build_separate=False))}
-"""The other compiled steps that the options time: name, the option's destination, inductor's configuration."""
+def variants() -> dict:
+    """The other compiled steps that the options time: name, the option's destination, the backend."""
+    options = cpu_inductor_options()
+    return {"python wrapper": ("python_wrapper", inductor_with(dict(cpp_wrapper=False))),
+            "one unit": ("one_unit", inductor_with(dict(cpp_wrapper=True, cpp_wrapper_build_separate=False))),
+            "wrapper -O0": ("wrapper_o0", inductor_with({**options, "aot_inductor.compile_wrapper_opt_level": "O0"})),
+            "inductor's index_add": ("inductor_index_add", inductor_with(options, index_adds=False))}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
@@ -99,7 +139,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     torch.set_default_dtype(dtype)
     try:
         torch.manual_seed(0)
-        groups, species = batches(args.molecule, args.batch_size, args.steps, args.model.max_radius)
+        if args.frames:
+            groups, species = frame_batches(args.frames, args.batch_size, args.steps, args.model.max_radius)
+        else:
+            groups, species = batches(args.molecule, args.batch_size, args.steps, args.model.max_radius)
         if args.model.avg_num_neighbors == "auto":
             args.model.avg_num_neighbors = mean_neighbors([s for group in groups for s in group])
         model = build_model(args.model, len(species))
@@ -109,8 +152,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     units = {"species": species, "energy_references": [0.0] * len(species), "energy_scale": 1.0}
     optimizer = adam(model, 1e-6)  # a small step: the weights, and so the times, barely change
     compiled = CompiledStep(model, units, LOSS, backend=None if args.backend == "none" else args.backend)
-    others = {name: CompiledStep(model, units, LOSS, backend=inductor_with(**patches))
-              for name, (option, patches) in VARIANTS.items() if getattr(args, option)}
+    others = {name: CompiledStep(model, units, LOSS, backend=backend)
+              for name, (option, backend) in variants().items() if getattr(args, option)}
 
     def eager(batch):
         optimizer.zero_grad()
@@ -148,7 +191,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     medians = {k: statistics.median(v) for k, v in times.items()}
     speedup = statistics.median(a / b for a, b in zip(times["eager"], times["compiled"]))
     atoms, edges = int(data[0]["pos"].shape[0]), int(data[0]["edge_index"].shape[1])
-    print(f"{args.molecule} x {args.batch_size} ({atoms} atoms, {edges} edges), {args.dtype}, {args.threads} "
+    print(f"{Path(args.frames).name if args.frames else args.molecule} x {args.batch_size} ({atoms} atoms, {edges} edges), {args.dtype}, {args.threads} "
           f"thread(s), {cpu_name()}, torch {torch.__version__}, backend {args.backend}")
     print(f"first compiled call (trace + compile): {compile_seconds:.1f} s; largest relative difference of the "
           f"loss and weight gradients: {max(differences):.1e}")
@@ -160,7 +203,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
               f"e3attn's compiled step {ratio:.2f}x as fast (median of turns)")
     report = {"meta": {"machine": cpu_name(), "python": platform.python_version(), "torch": torch.__version__,
                        "threads": args.threads, "dtype": args.dtype, "backend": args.backend,
-                       "molecule": args.molecule, "batch_size": args.batch_size, "atoms": atoms, "edges": edges,
+                       "molecule": args.molecule, "frames": args.frames, "batch_size": args.batch_size, "atoms": atoms, "edges": edges,
                        "steps": args.steps, "repeats": args.repeats, "model": dict(vars(args.model))},
               "compile_seconds": compile_seconds, "first_call_seconds": first_calls,
               "largest_relative_difference": max(differences),

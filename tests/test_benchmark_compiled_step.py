@@ -22,7 +22,7 @@ def test_quick_run_compares_the_traced_step_with_the_eager_step(tmp_path, capsys
     assert "force-training step: eager" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("flag", ["--python-wrapper", "--one-unit"])
+@pytest.mark.parametrize("flag", ["--python-wrapper", "--one-unit", "--wrapper-o0", "--inductor-index-add"])
 def test_other_inductor_variants_are_timed_only_beside_inductor(capsys, flag):
     bench = load_script("benchmarks/compiled_step.py")
     with pytest.raises(SystemExit) as stop:
@@ -30,3 +30,23 @@ def test_other_inductor_variants_are_timed_only_beside_inductor(capsys, flag):
     assert stop.value.code == 2
     assert f"argument {flag}: only with --backend inductor" in capsys.readouterr().err
     assert bench.parse_args([flag]).backend == "inductor"
+
+
+@pytest.mark.slow
+def test_batches_of_a_file_s_structures(tmp_path, capsys):
+    from ase.build import molecule
+    from ase.io import write
+
+    bench = load_script("benchmarks/compiled_step.py")
+    frames = tmp_path / "frames.xyz"
+    write(frames, [molecule("H2O"), molecule("NH3")] * 3)
+    with pytest.raises(SystemExit) as stop:
+        bench.parse_args(["--frames", str(tmp_path / "none.xyz")])
+    assert stop.value.code == 2 and "argument --frames: no such file:" in capsys.readouterr().err
+    report = bench.main(["--frames", str(frames), "--batch-size", "2", "--backend", "none", "--dtype", "float64",
+                         "--steps", "3", "--repeats", "1", "--out", str(tmp_path / "r.json"), "--", "--layers", "1"])
+    assert report["meta"]["atoms"] == 7 and report["meta"]["frames"] == str(frames)  # H2O and NH3
+    assert report["largest_relative_difference"] < 1e-12
+    with pytest.raises(SystemExit, match="has 6 structures, fewer than --batch-size times --steps"):
+        bench.main(["--frames", str(frames), "--batch-size", "4", "--backend", "none", "--steps", "2",
+                    "--out", str(tmp_path / "r.json")])

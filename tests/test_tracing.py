@@ -1,8 +1,10 @@
 """Graphs traced with symbolic sizes (e3attn._tracing.TracedGraphs): reused wherever their guards hold."""
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
-from e3attn._tracing import TracedGraphs, traced_graphs
+import e3attn._tracing as tracing_module
+from e3attn._tracing import TracedGraphs, cpu_inductor_options, index_adds_as_calls, traced_graphs
 
 
 def test_one_graph_serves_other_sizes_and_sizes_equal_by_chance_stay_apart():
@@ -58,19 +60,45 @@ def test_a_graph_that_does_not_compile_runs_traced_with_a_warning():
         TracedGraphs(lambda x: x, num_graphs=lambda x: 1, backend="nonsense")
 
 
-@pytest.mark.parametrize("backend, options", [("inductor", {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}),
-                                              ("eager", None)])
-def test_inductor_compiles_cpu_graphs_with_its_cpp_wrapper(monkeypatch, backend, options):
-    asked = []
+@pytest.mark.parametrize("backend, options, first", [
+    ("inductor", {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}, "e3attn.index_add.default"),
+    ("eager", None, "aten.index_add.default")])
+def test_inductor_compiles_cpu_graphs_with_its_cpp_wrapper_and_index_adds_as_calls(monkeypatch, backend, options,
+                                                                                    first):
+    asked, targets = [], []
 
     def fake_compile(graph, **kwargs):
         asked.append(kwargs)
+        targets.extend(str(node.target) for node in graph.graph.nodes if "index_add" in str(node.target))
         return graph  # runs as traced: this test is about what is asked of torch.compile
 
     monkeypatch.setattr(torch, "compile", fake_compile)
-    traced = TracedGraphs(lambda x: x + 1, num_graphs=lambda x: 1, backend=backend)
-    assert torch.equal(traced(torch.zeros(3)), torch.ones(3))
+    index = torch.tensor([0, 2, 0])
+    traced = TracedGraphs(lambda x, y: (x + 1).index_add(0, index, y).index_add(0, index, 2 * y, alpha=3.0),
+                          num_graphs=lambda x, y: 1, backend=backend)
+    x, y = torch.randn(3, 2, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64)
+    expected = (x + 1).index_add(0, index, y).index_add(0, index, 2 * y, alpha=3.0)
+    assert torch.allclose(traced(x, y), expected, rtol=0, atol=1e-14)
     assert asked == [dict(backend=backend, dynamic=True, options=options)]
+    assert targets == [first, "aten.index_add.default"]  # with alpha, an index_add stays as it is
+
+
+def test_index_adds_as_calls_keeps_the_values_and_their_sizes_symbolic():
+    graph = make_fx(lambda x, i, y: x.index_add(1, i, y).sum(0), tracing_mode="symbolic")(
+        torch.zeros(2, 4), torch.tensor([3, 0, 3]), torch.ones(2, 3))
+    assert index_adds_as_calls(graph) == 1 and index_adds_as_calls(graph) == 0
+    for rows, cols, edges in [(2, 4, 3), (5, 7, 11)]:
+        x, y = torch.randn(rows, cols), torch.randn(rows, edges)
+        i = torch.randint(0, cols, (edges,))
+        assert torch.equal(graph(x, i, y), x.index_add(1, i, y).sum(0))
+    fake = torch.ops.e3attn.index_add(torch.zeros(3, 2, device="meta"), 0, torch.zeros(4, dtype=torch.long,
+                                      device="meta"), torch.zeros(4, 2, device="meta"))
+    assert fake.shape == (3, 2) and fake.device.type == "meta"
+
+
+def test_only_the_options_that_inductor_has_are_asked_for(monkeypatch):
+    monkeypatch.setattr(tracing_module, "CPU_INDUCTOR_OPTIONS", {"cpp_wrapper": True, "no_such_option": 1})
+    assert cpu_inductor_options() == {"cpp_wrapper": True}
 
 
 def test_the_graphs_run_in_inference_mode_and_return_normal_tensors():

@@ -124,7 +124,7 @@ def test_the_schedule_goes_on_across_a_compile_in_the_second_epoch(monkeypatch):
     monkeypatch.setattr(loop, "CompiledStep", SlowFirstCall)
     done, original = [], loop.progress
     monkeypatch.setattr(loop, "progress", lambda *a: done.append(original(*a)) or done[-1])
-    result = train(["--epochs", "1000", "--time-budget", "2"], samples(), threshold=0.0, monkeypatch=monkeypatch)
+    result = train(["--epochs", "1000", "--time-budget", "6"], samples(), threshold=0.0, monkeypatch=monkeypatch)
     assert result.compiled and len(result.train_losses) >= 3
     # epoch 1 (4 batches), then epoch 2: the compiling first call, then two more (the last batch left out); within
     # an epoch the time is extrapolated from the one before, so only the compile's own jump is tested
