@@ -33,7 +33,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -49,7 +49,7 @@ from e3attn._tracing import cpu_inductor_options, index_adds_as_calls  # noqa: E
 from e3attn.train import cli, collate  # noqa: E402
 from e3attn.train import options as opt  # noqa: E402
 from e3attn.train.compiled import CompiledStep  # noqa: E402
-from e3attn.train.data import mean_neighbors, read_structures, to_sample  # noqa: E402
+from e3attn.train.data import DataError, mean_neighbors, read_structures, to_sample  # noqa: E402
 from e3attn.train.loop import adam  # noqa: E402
 from e3attn.train.model import build_model, loss_fn, predict  # noqa: E402
 
@@ -89,12 +89,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def frame_batches(path: str, batch_size: int, count: int, max_radius: float):
+def frame_batches(path: str, batch_size: int, count: int, max_radius: float) -> Tuple[List[List[dict]], List[str]]:
     """``count`` batches of ``batch_size`` of the first structures of the file ``path``, with random labels (only
     their sizes matter here); the elements."""
     from ase.calculators.singlepoint import SinglePointCalculator
 
-    structures = read_structures(path, "--frames")
+    try:
+        structures = read_structures(path, "--frames")
+    except DataError as err:
+        raise SystemExit(str(err)) from None
     if len(structures) < batch_size * count:
         raise SystemExit(f"argument --frames: {path} has {len(structures)} structures, fewer than --batch-size "
                          f"times --steps ({batch_size * count})")
@@ -109,10 +112,15 @@ def frame_batches(path: str, batch_size: int, count: int, max_radius: float):
     return [samples[i : i + batch_size] for i in range(0, len(samples), batch_size)], species
 
 
-def inductor_with(patches: dict, index_adds: bool = True):
+def inductor_with(patches: dict, index_adds: bool = True) -> Callable:
     """Inductor with its configuration patched by ``patches`` (a ``torch.compile`` backend), the ``index_add`` of
     the graph made calls of ATen's first where ``index_adds``, as e3attn does on its traced graphs."""
+    from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx
+
+    unknown = sorted(set(patches) - set(config.get_config_copy()))
+    if unknown:  # else the variant would fail to compile and be timed as traced
+        raise SystemExit(f"this torch's inductor has no option {', '.join(unknown)}: the variant cannot be timed")
 
     def backend(graph: torch.fx.GraphModule, example_inputs: list):
         if index_adds:
@@ -123,12 +131,13 @@ def inductor_with(patches: dict, index_adds: bool = True):
 
 
 def variants() -> dict:
-    """The other compiled steps that the options time: name, the option's destination, the backend."""
+    """The other compiled steps that the options time: name, the option's destination, inductor's configuration,
+    whether the ``index_add`` become calls (:func:`inductor_with`)."""
     options = cpu_inductor_options()
-    return {"python wrapper": ("python_wrapper", inductor_with(dict(cpp_wrapper=False))),
-            "one unit": ("one_unit", inductor_with(dict(cpp_wrapper=True, cpp_wrapper_build_separate=False))),
-            "wrapper -O0": ("wrapper_o0", inductor_with({**options, "aot_inductor.compile_wrapper_opt_level": "O0"})),
-            "inductor's index_add": ("inductor_index_add", inductor_with(options, index_adds=False))}
+    return {"python wrapper": ("python_wrapper", dict(cpp_wrapper=False), True),
+            "one unit": ("one_unit", dict(cpp_wrapper=True, cpp_wrapper_build_separate=False), True),
+            "wrapper -O0": ("wrapper_o0", {**options, "aot_inductor.compile_wrapper_opt_level": "O0"}, True),
+            "inductor's index_add": ("inductor_index_add", options, False)}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
@@ -152,8 +161,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     units = {"species": species, "energy_references": [0.0] * len(species), "energy_scale": 1.0}
     optimizer = adam(model, 1e-6)  # a small step: the weights, and so the times, barely change
     compiled = CompiledStep(model, units, LOSS, backend=None if args.backend == "none" else args.backend)
-    others = {name: CompiledStep(model, units, LOSS, backend=backend)
-              for name, (option, backend) in variants().items() if getattr(args, option)}
+    others = {name: CompiledStep(model, units, LOSS, backend=inductor_with(patches, calls))
+              for name, (option, patches, calls) in variants().items() if getattr(args, option)}
 
     def eager(batch):
         optimizer.zero_grad()
@@ -191,7 +200,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     medians = {k: statistics.median(v) for k, v in times.items()}
     speedup = statistics.median(a / b for a, b in zip(times["eager"], times["compiled"]))
     atoms, edges = int(data[0]["pos"].shape[0]), int(data[0]["edge_index"].shape[1])
-    print(f"{Path(args.frames).name if args.frames else args.molecule} x {args.batch_size} ({atoms} atoms, {edges} edges), {args.dtype}, {args.threads} "
+    name = Path(args.frames).name if args.frames else args.molecule
+    print(f"{name} x {args.batch_size} ({atoms} atoms, {edges} edges), {args.dtype}, {args.threads} "
           f"thread(s), {cpu_name()}, torch {torch.__version__}, backend {args.backend}")
     print(f"first compiled call (trace + compile): {compile_seconds:.1f} s; largest relative difference of the "
           f"loss and weight gradients: {max(differences):.1e}")
@@ -203,7 +213,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
               f"e3attn's compiled step {ratio:.2f}x as fast (median of turns)")
     report = {"meta": {"machine": cpu_name(), "python": platform.python_version(), "torch": torch.__version__,
                        "threads": args.threads, "dtype": args.dtype, "backend": args.backend,
-                       "molecule": args.molecule, "frames": args.frames, "batch_size": args.batch_size, "atoms": atoms, "edges": edges,
+                       "molecule": args.molecule, "frames": args.frames, "batch_size": args.batch_size,
+                       "atoms": atoms, "edges": edges,
                        "steps": args.steps, "repeats": args.repeats, "model": dict(vars(args.model))},
               "compile_seconds": compile_seconds, "first_call_seconds": first_calls,
               "largest_relative_difference": max(differences),

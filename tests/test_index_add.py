@@ -18,8 +18,20 @@ def test_the_values_of_torch_index_add_with_repeated_indices(dtype, shape, dim):
     source_shape[dim] = edges
     source = torch.randn(source_shape, generator=g, dtype=dtype)
     out = index_add(self, dim, index, source)
-    assert torch.equal(out, torch.index_add(self, dim, index, source))  # the same sums in the same order
+    expected = self.clone()  # the definition, row by row in index order
+    for e in range(edges):
+        expected.select(dim, int(index[e])).add_(source.select(dim, e))
+    assert torch.allclose(out, expected, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-14)
     assert out.data_ptr() != self.data_ptr() and not torch.equal(self, out)  # a new tensor; self unchanged
+
+
+def test_gradients_of_every_order():
+    g = torch.Generator().manual_seed(1)
+    self = torch.randn(4, 5, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    source = torch.randn(4, 6, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    index = torch.tensor([4, 0, 4, 2, 0, 0])
+    assert torch.autograd.gradcheck(lambda a, b: index_add(a, 1, index, b), (self, source))
+    assert torch.autograd.gradgradcheck(lambda a, b: index_add(a, 1, index, b), (self, source))
 
 
 def test_other_layouts_and_dtypes_and_torch_index_add_s_errors():

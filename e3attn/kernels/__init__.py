@@ -19,7 +19,9 @@ formulation, two backends, chosen by :func:`backend` for the device of the tenso
   formulation: :mod:`e3attn.kernels.moments`);
 * :mod:`e3attn.kernels.cpu`: the numba loops those CPU kernels share;
 * :mod:`e3attn.kernels.threads`: the threads that run the numba kernels (PyTorch's own OpenMP threads where
-  possible).
+  possible);
+* :mod:`e3attn.kernels.index_add`: ATen's ``index_add`` as an operator that compilers call (the traced training
+  step's sums at indices).
 
 The kernels run CPU tensors, and CUDA tensors after :func:`set_cuda_kernels` (opt-in while the GPU benchmark
 has not shown them faster than the plain formulation in every case), in float32 and float64, outside autocast,
