@@ -35,16 +35,15 @@ CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 
 def index_adds_as_calls(graph: torch.fx.GraphModule) -> int:
     """Make every out-of-place ``aten.index_add`` of ``graph`` (without ``alpha``; ``index_add_`` stays) a call of
-    the operator ``e3attn::index_add``
-    (:mod:`e3attn.kernels.index_add`), which compilers keep as a call; the number of nodes changed.
+    the operator ``e3attn::index_add`` (:mod:`e3attn.kernels.index_add`), which compilers keep as a call; the
+    number of nodes changed.
 
     The operations of a traced force-training step include some sixty ``index_add`` (the sums over edges and
     their derivatives). Inductor lowers each one to an accumulating ``index_put``, and under deterministic
     algorithms, which :class:`TracedGraphs` compiles CPU graphs with, leaves that to ATen's deterministic
     ``index_put``, which sorts the indices first: 148 µs a call on average on aspirin's batches of 8 molecules
     (168 atoms, 2,480 edges; 15% of a 63 ms step under the profiler), where ATen's ``index_add``, which
-    ``e3attn::index_add`` calls, takes about 50 µs.
-    The values are those of ``aten.index_add``.
+    ``e3attn::index_add`` calls, takes about 50 µs. The values are those of ``aten.index_add``.
 
     Example::
 
@@ -112,8 +111,8 @@ class TracedGraphs:
     its first call; inductor compiles the graphs of CPU tensors with :func:`cpu_inductor_options` (a C++ wrapper,
     compiled apart from the kernels), their ``index_add`` made calls of ATen's first (:func:`index_adds_as_calls`;
     the training command's compiled step and the calculator's compiled call). On CPU tensors the compiled graphs
-    run with deterministic algorithms on (warnings only, new memory not filled): then inductor leaves the accumulating ``index_put`` of ``index_add`` to
-    ATen, since its vectorised C++ code for it fails an assertion on some graphs when it runs on more than one
+    run with deterministic algorithms on (warnings only, new memory not filled): then inductor leaves the
+    accumulating ``index_put`` of what is left of ``index_add`` to ATen, since its vectorised C++ code for it fails an assertion on some graphs when it runs on more than one
     thread (torch 2.13); and every call must have the state of the first, which dynamo guards. A graph that does not
     compile at its first call runs as traced, with a warning that names the error (a later recompile by dynamo, on a
     guard of its own, is not caught). The graphs run in ``torch.inference_mode()``, compiled in it too: they compute
