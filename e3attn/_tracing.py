@@ -112,8 +112,8 @@ class TracedGraphs:
     compiled apart from the kernels), their ``index_add`` made calls of ATen's first (:func:`index_adds_as_calls`;
     the training command's compiled step and the calculator's compiled call). On CPU tensors the compiled graphs
     run with deterministic algorithms on (warnings only, new memory not filled): then inductor leaves the
-    accumulating ``index_put`` of what is left of ``index_add`` to ATen, since its vectorised C++ code for it fails an assertion on some graphs when it runs on more than one
-    thread (torch 2.13); and every call must have the state of the first, which dynamo guards. A graph that does not
+    accumulating ``index_put`` of what is left of ``index_add`` to ATen, since its vectorised C++ code for it fails
+    an assertion on some graphs when it runs on more than one thread (torch 2.13); and every call must have the state of the first, which dynamo guards. A graph that does not
     compile at its first call runs as traced, with a warning that names the error (a later recompile by dynamo, on a
     guard of its own, is not caught). The graphs run in ``torch.inference_mode()``, compiled in it too: they compute
     their derivatives themselves, and their operators skip autograd's dispatch; what they return is cloned into
