@@ -107,18 +107,19 @@ class TracedGraphs:
     equal. A graph is also kept per structure of the arguments, per dtype, device and rank of every tensor, and per
     ``num_graphs(*args)``, the number of graphs that the trace reads from :func:`traced_step`.
 
-    With a ``backend``, each new graph is compiled by ``torch.compile(graph, backend=backend, dynamic=True)`` at
-    its first call; inductor compiles the graphs of CPU tensors with :func:`cpu_inductor_options` (a C++ wrapper,
+    With a ``backend``, each new graph is compiled by ``torch.compile(graph, backend=backend, dynamic=True)`` at its
+    first call; inductor compiles the graphs of CPU tensors with :func:`cpu_inductor_options` (a C++ wrapper,
     compiled apart from the kernels), their ``index_add`` made calls of ATen's first (:func:`index_adds_as_calls`;
-    the training command's compiled step and the calculator's compiled call). On CPU tensors the compiled graphs
-    run with deterministic algorithms on (warnings only, new memory not filled): then inductor leaves the
-    accumulating ``index_put`` of what is left of ``index_add`` to ATen, since its vectorised C++ code for it fails
-    an assertion on some graphs when it runs on more than one thread (torch 2.13); and every call must have the state of the first, which dynamo guards. A graph that does not
-    compile at its first call runs as traced, with a warning that names the error (a later recompile by dynamo, on a
-    guard of its own, is not caught). The graphs run in ``torch.inference_mode()``, compiled in it too: they compute
-    their derivatives themselves, and their operators skip autograd's dispatch; what they return is cloned into
-    normal tensors. Not thread-safe: the deterministic setting and the tracer's configuration are
-    process-wide, so one object's calls, and those of several, belong in one thread.
+    the training command's compiled step and the calculator's compiled call). On CPU tensors the compiled graphs run
+    with deterministic algorithms on (warnings only, new memory not filled): then inductor leaves the accumulating
+    ``index_put`` of what is left of ``index_add`` to ATen, since its vectorised C++ code for it fails an assertion
+    on some graphs when it runs on more than one thread (torch 2.13); and every call must have the state of the
+    first, which dynamo guards. A graph that does not compile at its first call runs as traced, with a warning that
+    names the error (a later recompile by dynamo, on a guard of its own, is not caught). The graphs run in
+    ``torch.inference_mode()``, compiled in it too: they compute their derivatives themselves, and their operators
+    skip autograd's dispatch; what they return is cloned into normal tensors. Not thread-safe: the deterministic
+    setting and the tracer's configuration are process-wide, so one object's calls, and those of several, belong in
+    one thread.
 
     Args:
         fn: the function of tensors (nested in lists, tuples and dicts) to trace; what it returns, the graphs return.
