@@ -20,6 +20,8 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple, Union
 import torch
 from torch.utils import _pytree as pytree
 
+from ._cpp_builds import objects_built_in_parallel
+
 _GRAPHS = contextvars.ContextVar("e3attn_traced_graphs", default=None)
 
 #: Inductor's options for the graphs of CPU tensors. A C++ wrapper (``cpp_wrapper``) calls the generated kernels
@@ -29,7 +31,8 @@ _GRAPHS = contextvars.ContextVar("e3attn_traced_graphs", default=None)
 #: compiled as two translation units (``cpp_wrapper_build_separate``), the wrapper's glue at ``-O1`` and the
 #: kernels at ``-O3``, where one unit at ``-O3`` spends most of its time optimising the glue (``--one-unit``: the
 #: same step time, the first call with an empty cache 19 s longer); the glue at ``-O0`` builds in 9 s instead of
-#: 23 s but makes the step 6% slower (``--wrapper-o0``). Options that the installed inductor lacks are left out.
+#: 23 s but makes the step 6% slower (``--wrapper-o0``). The two units compile side by side
+#: (:func:`~e3attn._cpp_builds.objects_built_in_parallel`). Options that the installed inductor lacks are left out.
 CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 
 
@@ -109,7 +112,8 @@ class TracedGraphs:
 
     With a ``backend``, each new graph is compiled by ``torch.compile(graph, backend=backend, dynamic=True)`` at its
     first call; inductor compiles the graphs of CPU tensors with :func:`cpu_inductor_options` (a C++ wrapper,
-    compiled apart from the kernels), their ``index_add`` made calls of ATen's first (:func:`index_adds_as_calls`;
+    compiled apart from the kernels, the two at the same time: :mod:`e3attn._cpp_builds`), their ``index_add`` made
+    calls of ATen's first (:func:`index_adds_as_calls`;
     the training command's compiled step and the calculator's compiled call). On CPU tensors the compiled graphs run
     with deterministic algorithms on (warnings only, new memory not filled): then inductor leaves the accumulating
     ``index_put`` of what is left of ``index_add`` to ATen, since its vectorised C++ code for it fails an assertion
@@ -191,7 +195,8 @@ class TracedGraphs:
         if cpu:  # compiled and called with the same global state: dynamo guards it, and would compile again
             compiled = _with_deterministic_algorithms(compiled)
         try:
-            return _in_inference_mode(compiled)(*args), compiled
+            with objects_built_in_parallel() if options is not None else contextlib.nullcontext():
+                return _in_inference_mode(compiled)(*args), compiled
         except Exception as error:  # a compiler's failure: the traced graph computes the same
             while getattr(error, "inner_exception", None) or error.__cause__:  # what the backend raised
                 error = getattr(error, "inner_exception", None) or error.__cause__
