@@ -14,6 +14,9 @@ and the kernels in one translation unit at ``-O3`` (e3attn compiles the wrapper 
 ``--wrapper-o0`` the wrapper compiled apart at ``-O0``; ``--inductor-index-add`` the graph whose
 ``index_add`` are left to inductor (e3attn makes them calls of ATen's, ``e3attn._tracing.index_adds_as_calls``).
 Each of them is compiled at its own first call, after the step's, and its seconds are reported too.
+``--serial-builds`` compiles every graph with inductor's own builds, the C++ wrapper and then the kernels, where
+e3attn compiles the two side by side (``e3attn._cpp_builds``): two runs with empty caches, one with it, compare
+the first calls.
 
 Example::
 
@@ -23,10 +26,12 @@ Example::
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python benchmarks/compiled_step.py --threads 2 --one-unit  # cold compiles
     python benchmarks/compiled_step.py --threads 2 --frames benchmarks/data/organic/aspirin_train.xyz \
         --inductor-index-add --wrapper-o0      # batches of aspirin's frames (benchmarks/organic_data.py)
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python benchmarks/compiled_step.py --threads 2 --serial-builds
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -34,6 +39,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
+from unittest import mock
 
 import torch
 
@@ -42,6 +48,7 @@ for path in (ROOT, ROOT / "benchmarks"):  # run from a checkout without installi
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
+import e3attn._tracing  # noqa: E402
 from dense_vs_sparse import cpu_name  # noqa: E402
 from train_step import LOSS, batches, parse_with_model  # noqa: E402
 
@@ -77,13 +84,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="also time the step whose C++ wrapper is compiled at -O0 (CPU, --backend inductor)")
     p.add_argument("--inductor-index-add", action="store_true",
                    help="also time the step whose index_add are left to inductor (CPU, --backend inductor)")
+    p.add_argument("--serial-builds", action="store_true",
+                   help="compile with inductor's own builds: the C++ wrapper, then the kernels (CPU)")
     p.add_argument("--steps", type=opt.positive_int, default=10, help="steps per turn")
     p.add_argument("--repeats", type=opt.positive_int, default=5, help="turns of each step")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compiled_step.json"))
     args = parse_with_model(p, argv, model_argv)
     if args.frames and not Path(args.frames).is_file():
         p.error(f"argument --frames: no such file: {args.frames}")
-    for name in ("python_wrapper", "one_unit", "wrapper_o0", "inductor_index_add"):
+    for name in ("python_wrapper", "one_unit", "wrapper_o0", "inductor_index_add", "serial_builds"):
         if getattr(args, name) and args.backend != "inductor":
             p.error(f"argument --{name.replace('_', '-')}: only with --backend inductor")
     return args
@@ -176,10 +185,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         return loss
 
     first_calls = {}
-    for name, step_fn in {"compiled": compiled, **others}.items():
-        start = time.perf_counter()
-        step_fn(data[0])
-        first_calls[name] = time.perf_counter() - start
+    with contextlib.ExitStack() as stack:
+        if args.serial_builds:  # e3attn's side-by-side builds left out
+            stack.enter_context(mock.patch.object(e3attn._tracing, "objects_built_in_parallel", contextlib.nullcontext))
+        for name, step_fn in {"compiled": compiled, **others}.items():
+            start = time.perf_counter()
+            step_fn(data[0])
+            first_calls[name] = time.perf_counter() - start
     compile_seconds = first_calls["compiled"]
     differences = []
     for batch in data[:3]:
@@ -203,8 +215,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     name = Path(args.frames).name if args.frames else args.molecule
     print(f"{name} x {args.batch_size} ({atoms} atoms, {edges} edges), {args.dtype}, {args.threads} "
           f"thread(s), {cpu_name()}, torch {torch.__version__}, backend {args.backend}")
-    print(f"first compiled call (trace + compile): {compile_seconds:.1f} s; largest relative difference of the "
-          f"loss and weight gradients: {max(differences):.1e}")
+    builds = "inductor's serial builds" if args.serial_builds else "wrapper and kernels built side by side"
+    print(f"first compiled call (trace + compile, {builds}): {compile_seconds:.1f} s; largest relative difference "
+          f"of the loss and weight gradients: {max(differences):.1e}")
     print(f"force-training step: eager {1e3 * medians['eager']:.1f} ms, compiled {1e3 * medians['compiled']:.1f} ms, "
           f"speed-up {speedup:.2f}x (median of turns)")
     for name in others:
@@ -215,7 +228,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                        "threads": args.threads, "dtype": args.dtype, "backend": args.backend,
                        "molecule": args.molecule, "frames": args.frames, "batch_size": args.batch_size,
                        "atoms": atoms, "edges": edges,
-                       "steps": args.steps, "repeats": args.repeats, "model": dict(vars(args.model))},
+                       "steps": args.steps, "repeats": args.repeats, "serial_builds": args.serial_builds,
+                       "model": dict(vars(args.model))},
               "compile_seconds": compile_seconds, "first_call_seconds": first_calls,
               "largest_relative_difference": max(differences),
               "seconds": times, "median_seconds": medians, "speedup": speedup}

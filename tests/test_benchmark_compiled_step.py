@@ -22,7 +22,8 @@ def test_quick_run_compares_the_traced_step_with_the_eager_step(tmp_path, capsys
     assert "force-training step: eager" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("flag", ["--python-wrapper", "--one-unit", "--wrapper-o0", "--inductor-index-add"])
+@pytest.mark.parametrize("flag", ["--python-wrapper", "--one-unit", "--wrapper-o0", "--inductor-index-add",
+                                  "--serial-builds"])
 def test_other_inductor_variants_are_timed_only_beside_inductor(capsys, flag):
     bench = load_script("benchmarks/compiled_step.py")
     with pytest.raises(SystemExit) as stop:

@@ -30,9 +30,9 @@ def samples(count: int, seed: int, dtype) -> list:
     return out
 
 
-def model_and_units(data, dtype):
+def model_and_units(data, dtype, hidden="8x0e + 4x1o"):
     torch.manual_seed(0)
-    model = EquivariantTransformer("1x0e", "8x0e + 4x1o", "0e", 2.5, num_layers=2, num_heads=2, reduce="sum",
+    model = EquivariantTransformer("1x0e", hidden, "0e", 2.5, num_layers=2, num_heads=2, reduce="sum",
                                    irreps_node_attr="3x0e", density_channels=8, density_lmax=2, layer_norm="post",
                                    avg_num_neighbors=4.0).to(dtype)
     return model, fit_references(data, SPECIES)
@@ -46,9 +46,10 @@ def eager_loss_and_gradients(model, batch, units):
 
 
 @pytest.mark.slow
-def test_traced_step_gives_the_eager_loss_and_weight_gradients():
+@pytest.mark.parametrize("hidden", ["8x0e + 4x1o", "8x0e + 4x1o + 2x2e"])  # features of degree 2: the command's
+def test_traced_step_gives_the_eager_loss_and_weight_gradients(hidden):
     data = samples(4, seed=0, dtype=torch.float64)
-    model, units = model_and_units(data, torch.float64)
+    model, units = model_and_units(data, torch.float64, hidden)
     step = CompiledStep(model, units, WEIGHTS, backend=None)  # the traced graph as it is
     batches = [collate(data[:2]), collate(data[2:]), collate(data[1:])]
     assert batches[0]["edge_index"].shape != batches[1]["edge_index"].shape

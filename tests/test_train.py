@@ -186,6 +186,7 @@ def test_the_command_has_its_own_defaults_and_the_emt_example_keeps_its(monkeypa
     assert (example.max_radius, example.layers, example.hidden, example.heads) == (4.0, 1, "16x0e + 8x1o", 4)
     # the command's defaults as docs/guide/training.rst states them
     assert (args.max_radius, args.layers, args.heads, args.batch_size, args.force_weight) == (5.0, 2, 1, 8, 10.0)
+    assert (args.hidden, args.lmax, args.density_lmax) == ("16x0e + 8x1o + 4x2e", 2, 3)
     assert (args.loss, args.huber_delta, example.loss) == ("huber", 0.01, "mse")
     with pytest.raises(ValueError, match="unknown option.*layerz"):
         options.add_model_options(options.ArgumentParser("x"), defaults={"layerz": 2})
@@ -363,7 +364,7 @@ def test_the_compiled_step_s_first_call_is_not_taken_for_an_epoch_s_time(data, m
     monkeypatch.setattr(loop, "CompiledStep", SlowFirstCall)
     samples = [to_sample(a, ["Ni", "Cu"], 3.0) for a in read(data["ptrain"], index=":")]
     args = cli.parse_args(["--train-file", "unused"] + TINY + ["--compile", "--time-budget", "1.8", "--epochs", "40",
-                                                               "--batch-size", "5"])
+                                                               "--batch-size", "5", "--lmax", "1"])  # fast epochs
     args.avg_num_neighbors, args.max_radius = 10.0, 3.0
     torch.manual_seed(0)
     result = fit(build_model(args, 2), samples[:15], fit_references(samples[:15], ["Ni", "Cu"]), args, "cpu",

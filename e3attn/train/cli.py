@@ -34,7 +34,7 @@ from .model import build_model, check_model_options, evaluate, loss_options
 __all__ = ["parse_args", "load_data", "run", "main", "CommandError"]
 
 PROG = "e3attn-train"
-MODEL_DEFAULTS = dict(max_radius=5.0, layers=2, heads=1, density_lmax=3)
+MODEL_DEFAULTS = dict(max_radius=5.0, hidden="16x0e + 8x1o + 4x2e", layers=2, heads=1, lmax=2, density_lmax=3)
 """The command's model defaults where they differ from the EMT example's (``e3attn.train.options.MODEL_DEFAULTS``),
 chosen on GFN2-xTB molecular dynamics of organic molecules (docs/guide/accuracy_organic.rst)."""
 TRAINING_DEFAULTS = dict(batch_size=8, force_weight=10.0, lr=2e-2, loss="huber")

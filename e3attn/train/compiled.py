@@ -15,9 +15,9 @@ __all__ = ["CompiledStep", "AUTO_COMPILE_SECONDS", "compile_setting", "auto_comp
 
 AUTO_COMPILE_SECONDS = 400.0
 """``--compile auto`` compiles the steps where the training left after the first epoch would take at least this
-many seconds in eager steps. The first compiled call takes about 150 s with an empty inductor cache (the training
-command's model, a 2-core AMD EPYC, Zen 3) and the steps after it are about twice as fast, so compiling pays from
-about 300 s of training on; 400 leaves a margin for slower compilers."""
+many seconds in eager steps. The first compiled call takes 160 to 170 s with an empty inductor cache (the training
+command's model, a 2-core AMD EPYC, Zen 3) and the steps after it are two to three times as fast, so compiling pays
+from about 250 to 340 s of training on; 400 leaves a margin for slower compilers."""
 
 
 class CompiledStep:
