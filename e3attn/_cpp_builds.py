@@ -3,11 +3,12 @@
 With a C++ wrapper compiled apart from the kernels (:data:`e3attn._tracing.CPU_INDUCTOR_OPTIONS`), inductor builds a
 graph of CPU tensors as two translation units, the wrapper's glue and the kernels, each an object file from one
 compiler process, then links them; it runs the two compilers one after the other, in
-``torch._inductor.codecache._worker_compile_cpp``. For the training command's step each takes 20 to 30 s, so
-within :func:`objects_built_in_parallel` they run at the same time, on two cores, and the first call of a compiled
-graph is shorter by the shorter of the two. The objects and the library are the same files; only their order of
-building changes. Where the installed inductor builds in another way (another signature of that function, other
-builders), it builds as it would without this module.
+``torch._inductor.codecache._worker_compile_cpp``. For the training command's step each takes 20 to 30 s (measured
+on its model of degree 1), so within :func:`objects_built_in_parallel` they run at the same time, on two cores,
+and the first call of a compiled graph is shorter by about the shorter of the two. The objects and the library
+are the same files; only their order of building changes. Where the installed inductor builds in another way
+(another signature of that function, other builders), or is told to compile in one thread (``compile_threads``
+1), it builds as it would without this module.
 """
 from __future__ import annotations
 
@@ -51,14 +52,20 @@ def _objects_and_link(builders: Sequence[Any]) -> Optional[tuple]:
 
 def _build(lock_path: str, cpp_builders: Sequence[Any]) -> None:
     """Build what is missing of ``cpp_builders``, as inductor's ``_worker_compile_cpp`` does, but the object files of
-    a split build in parallel (a function of the module, so that a process pool of inductor's could run it too)."""
-    from filelock import FileLock
-    from torch._inductor import codecache
+    a split build in parallel, unless inductor is told to compile in one thread (``compile_threads`` 1). A function
+    of the module, so that a process pool of inductor's could run it too. A compiler's error is raised as
+    inductor raises it, once the other compiler has ended."""
+    from torch._inductor import codecache, config
+
+    try:
+        from torch.utils._filelock import FileLock  # inductor's own, with its wait counters
+    except ImportError:
+        from filelock import FileLock
 
     def missing(builders: Sequence[Any]) -> list:
         return [b for b in builders if not os.path.exists(b.get_target_file_path())]
 
-    split = _objects_and_link(cpp_builders)
+    split = _objects_and_link(cpp_builders) if config.compile_threads > 1 else None
     with FileLock(lock_path, timeout=codecache.LOCK_TIMEOUT):
         if split is None:
             for builder in missing(cpp_builders):

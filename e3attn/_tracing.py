@@ -27,12 +27,13 @@ _GRAPHS = contextvars.ContextVar("e3attn_traced_graphs", default=None)
 #: Inductor's options for the graphs of CPU tensors. A C++ wrapper (``cpp_wrapper``) calls the generated kernels
 #: and the operators left to ATen from one compiled function, where the default Python wrapper pays Python's cost
 #: for each of some hundred calls (``python benchmarks/compiled_step.py --threads 2 --python-wrapper``: the
-#: training command's step 1.17 times as fast as with the Python wrapper). The wrapper and the kernels are
-#: compiled as two translation units (``cpp_wrapper_build_separate``), the wrapper's glue at ``-O1`` and the
-#: kernels at ``-O3``, where one unit at ``-O3`` spends most of its time optimising the glue (``--one-unit``: the
-#: same step time, the first call with an empty cache 19 s longer); the glue at ``-O0`` builds in 9 s instead of
-#: 23 s but makes the step 6% slower (``--wrapper-o0``). The two units compile side by side
-#: (:func:`~e3attn._cpp_builds.objects_built_in_parallel`). Options that the installed inductor lacks are left out.
+#: training command's step, its model of degree 1, 1.17 times as fast as with the Python wrapper). The wrapper
+#: and the kernels are compiled as two translation units (``cpp_wrapper_build_separate``), the wrapper's glue at
+#: ``-O1`` and the kernels at ``-O3``, where one unit at ``-O3`` spends most of its time optimising the glue
+#: (``--one-unit``: the same step time, the first call with an empty cache 19 s longer); the glue at ``-O0``
+#: builds in 9 s instead of 23 s but makes the step 6% slower (``--wrapper-o0``). The two units compile side by
+#: side (:func:`~e3attn._cpp_builds.objects_built_in_parallel`). Options that the installed inductor lacks are
+#: left out.
 CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 
 
@@ -113,12 +114,11 @@ class TracedGraphs:
     With a ``backend``, each new graph is compiled by ``torch.compile(graph, backend=backend, dynamic=True)`` at its
     first call; inductor compiles the graphs of CPU tensors with :func:`cpu_inductor_options` (a C++ wrapper,
     compiled apart from the kernels, the two at the same time: :mod:`e3attn._cpp_builds`), their ``index_add`` made
-    calls of ATen's first (:func:`index_adds_as_calls`;
-    the training command's compiled step and the calculator's compiled call). On CPU tensors the compiled graphs run
-    with deterministic algorithms on (warnings only, new memory not filled): then inductor leaves the accumulating
-    ``index_put`` of what is left of ``index_add`` to ATen, since its vectorised C++ code for it fails an assertion
-    on some graphs when it runs on more than one thread (torch 2.13); and every call must have the state of the
-    first, which dynamo guards. A graph that does not compile at its first call runs as traced, with a warning that
+    calls of ATen's first (:func:`index_adds_as_calls`; the training command's compiled step and the calculator's
+    compiled call). On CPU tensors the compiled graphs run with deterministic algorithms on (warnings only, new
+    memory not filled): then inductor leaves the accumulating ``index_put`` of what is left of ``index_add`` to
+    ATen, since its vectorised C++ code for it fails an assertion on some graphs when it runs on more than one
+    thread (torch 2.13); and every call must have the state of the first, which dynamo guards. A graph that does not compile at its first call runs as traced, with a warning that
     names the error (a later recompile by dynamo, on a guard of its own, is not caught). The graphs run in
     ``torch.inference_mode()``, compiled in it too: they compute their derivatives themselves, and their operators
     skip autograd's dispatch; what they return is cloned into normal tensors. Not thread-safe: the deterministic
