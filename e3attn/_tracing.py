@@ -118,8 +118,9 @@ class TracedGraphs:
     compiled call). On CPU tensors the compiled graphs run with deterministic algorithms on (warnings only, new
     memory not filled): then inductor leaves the accumulating ``index_put`` of what is left of ``index_add`` to
     ATen, since its vectorised C++ code for it fails an assertion on some graphs when it runs on more than one
-    thread (torch 2.13); and every call must have the state of the first, which dynamo guards. A graph that does not compile at its first call runs as traced, with a warning that
-    names the error (a later recompile by dynamo, on a guard of its own, is not caught). The graphs run in
+    thread (torch 2.13); and every call must have the state of the first, which dynamo guards. A graph that does
+    not compile at its first call runs as traced, with a warning that names the error (a later recompile by dynamo,
+    on a guard of its own, is not caught). The graphs run in
     ``torch.inference_mode()``, compiled in it too: they compute their derivatives themselves, and their operators
     skip autograd's dispatch; what they return is cloned into normal tensors. Not thread-safe: the deterministic
     setting and the tracer's configuration are process-wide, so one object's calls, and those of several, belong in
