@@ -65,7 +65,8 @@ def _build(lock_path: str, cpp_builders: Sequence[Any]) -> None:
     def missing(builders: Sequence[Any]) -> list:
         return [b for b in builders if not os.path.exists(b.get_target_file_path())]
 
-    split = _objects_and_link(cpp_builders) if config.compile_threads > 1 else None
+    one_thread = config.compile_threads is not None and config.compile_threads <= 1  # None: inductor decides later
+    split = None if one_thread else _objects_and_link(cpp_builders)
     with FileLock(lock_path, timeout=codecache.LOCK_TIMEOUT):
         if split is None:
             for builder in missing(cpp_builders):

@@ -93,13 +93,14 @@ def test_a_compiler_s_error_comes_out_after_the_other_compiler_ended(tmp_path):
     assert log == ["optimized.o", "main.o", "main.so"]
 
 
-def test_one_compile_thread_builds_one_after_the_other(tmp_path, monkeypatch):
+def test_one_compile_thread_builds_one_after_the_other(tmp_path):
     from torch._inductor import config
 
-    monkeypatch.setattr(config, "compile_threads", 1)
-    log = []
-    _build(str(tmp_path / "lock"), split_build(tmp_path, log))
+    log, before = [], config.compile_threads
+    with config.patch(compile_threads=1):  # not monkeypatch: its undo deletes the option, which hides it
+        _build(str(tmp_path / "lock"), split_build(tmp_path, log))
     assert log == ["main.o", "optimized.o", "main.so"]
+    assert config.compile_threads == before
 
 
 def test_inductors_own_builders_of_a_split_build_are_recognised(tmp_path):
