@@ -87,6 +87,7 @@ CONFIGS = {
 # default numbers of nodes and timed calls (the baseline needs ~0.8 ms per edge on the large configuration)
 DEFAULTS = {"guide": {"sizes": [1_000, 10_000], "repeats": 7}, "large": {"sizes": [100, 1_000], "repeats": 3}}
 METHODS = ("baseline", "e3attn")
+PEER_TOLERANCE = 1e-3  # largest relative difference of a peer's output from the baseline's (same weights, float32)
 
 
 # ----------------------------------------------------------------------------- measurement
@@ -193,6 +194,9 @@ def run_case(config: str, n: int, args: argparse.Namespace, device: torch.device
     if args.peer:
         base["peer_rel_diff"] = max_rel_diff({"e3attn": models[args.peer], "baseline": models["baseline"]}, f, pos,
                                              edge_index)
+        # the same function as the baseline's (float32 rounding), or its timings compare different layers
+        print(f"{config:>6} {n:>6} {edges:>8} {args.peer:>8}  output vs the baseline's: {base['peer_rel_diff']:.1e}"
+              + ("  DIFFERENT" if base["peer_rel_diff"] > PEER_TOLERANCE else ""), flush=True)
     calls = {m: _calls(models[m], f, pos, edge_index) for m in methods}
     method = memory_method(device, args.memory)
     rows = {m: dict(base, method=m, skipped=None) for m in methods}
@@ -334,13 +338,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--plain", action="store_true",
                    help="also time e3attn with its tensor product as plain tensor operations (no compiled kernels)")
     p.add_argument("--cuda-kernels", action="store_true",
-                   help="e3attn on CUDA runs its Triton kernels (e3attn.kernels.set_cuda_kernels; off by default)")
+                   help="e3attn on CUDA runs its Triton kernels (e3attn.kernels.set_cuda_kernels(True); by default "
+                        "eager calls on CUDA take the plain formulation)")
     p.add_argument("--peer", choices=PEERS, default=None,
                    help="also time the guide's layer with its tensor products on a peer's kernels (benchmarks/peers.py)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "layer.json")
     args = p.parse_args(argv)
     opt.check_files(p, results={"--out": args.out})
-    kernels.set_cuda_kernels(args.cuda_kernels)
+    kernels.set_cuda_kernels(True if args.cuda_kernels else None)
     if args.quick:
         args.sizes, args.repeats = [16, 32], 1
     if min(args.sizes or [1]) < 1 or (args.repeats is not None and args.repeats < 1):

@@ -58,6 +58,7 @@ AMPLITUDE = 0.1  # Angstrom
 PERIODS = (105.0, 195.0)  # fs
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 KEEP_MEMORY = {"auto": None, "on": True, "off": False}  # --keep-memory: the calculator's keep_memory
+GRAPHS = {"auto": None, "on": True, "off": False}  # --cuda-graphs: the calculator's cuda_graphs
 
 
 def fcc_copper(num_atoms: int):
@@ -110,7 +111,7 @@ def measure_e3attn(num_atoms: int, model: torch.nn.Module, args) -> dict:
     for label, skin, compile in calculators:
         atoms = crystal.copy()
         atoms.calc = E3AttnCalculator(model, list(molecules.SPECIES), device=args.device, dtype=DTYPES[args.dtype],
-                                      skin=skin, cuda_graphs=args.cuda_graphs and skin > 0 and not compile,
+                                      skin=skin, cuda_graphs=None if compile else GRAPHS[args.cuda_graphs],
                                       keep_memory=KEEP_MEMORY[args.keep_memory], compile=compile)
         runs[label] = {"atoms": atoms, "t": 0}
 
@@ -262,8 +263,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="wall time, or the process's CPU time (less disturbed by other tenants of the CPU; "
                         "with 1 thread on the CPU only)")
     p.add_argument("--skin", type=_common.non_negative_float, default=DEFAULT_SKIN, help="the skin in Angstrom")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="the calculator with the skin replays its call as a CUDA graph between searches (CUDA only)")
+    p.add_argument("--cuda-graphs", nargs="?", choices=sorted(GRAPHS), const="on", default="auto",
+                   help="the calculator's cuda_graphs (replaying its call as a CUDA graph between searches, on CUDA "
+                        "with the skin): auto (its default, None), on (the bare option) or off")
     p.add_argument("--keep-memory", choices=sorted(KEEP_MEMORY), default="auto",
                    help="the calculator's keep_memory: auto (its default, None: from large calls on), on or off")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
@@ -288,8 +290,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.sizes = sorted(args.sizes)  # increasing: the peak memory so far is that of the size
     if args.clock == "cpu" and (args.threads > 1 or args.device != "cpu"):
         p.error("--clock cpu measures one thread on the CPU: use it with --threads 1 --device cpu")
-    if args.cuda_graphs and not args.device.startswith("cuda"):
-        p.error("--cuda-graphs needs a CUDA --device")
+    if args.cuda_graphs == "on" and not args.device.startswith("cuda"):
+        p.error("--cuda-graphs on needs a CUDA --device")
     if args.mace and not args.mace_python:
         p.error("--mace needs --mace-python PATH (a Python with mace-torch, see benchmarks/README.md)")
     for n in args.sizes:
@@ -342,7 +344,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     if args.device.startswith("cuda"):
         meta["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
     report = {"meta": meta, "results": rows}
-    graphs = ", CUDA graphs" if args.cuda_graphs else ""
+    graphs = f", cuda_graphs {args.cuda_graphs}" if args.device.startswith("cuda") else ""
     memory = f", keep_memory {args.keep_memory}" + (", with stress" if args.stress else "")
     print(f"{meta['cpu']} ({meta['host']}), {args.device}, {args.threads} thread(s), {args.dtype}, skin {args.skin} A"
           f"{graphs}{memory}, {args.clock} clock, load average {meta['load_average']}")

@@ -5,7 +5,10 @@ products on another library's kernels, what a user who wants speed builds today.
   radial networks) on OpenEquivariance's CUDA kernels (``openequivariance.TensorProduct`` of the same
   ``TPProblem``: irreps, instructions and path weights of e3nn's product, ``shared_weights=False``), the rest of the
   module unchanged. OpenEquivariance takes e3nn's weight layout, so the peer keeps the baseline's weights and its
-  output is compared with the baseline's before timing (``peer_rel_diff``).
+  output is compared with the baseline's before timing (``peer_rel_diff``). e3nn's instructions hold the final
+  coefficient :math:`c` of each path, normalisation included, while ``TPProblem`` normalises the path weights it is
+  given and takes their square root: so it gets :math:`c^2` without normalisation (until 2026-11-29 it got
+  :math:`c` with its default normalisation, which changed the output by 40-60 % at the same cost).
 
 OpenEquivariance is not a dependency of e3attn: install it (``pip install openequivariance``, or its source
 distribution unpacked on ``PYTHONPATH``); its extension compiles on the first import (about 2 minutes).
@@ -19,6 +22,13 @@ import torch
 PEERS = ("oeq",)
 
 
+def oeq_instructions(tp: torch.nn.Module) -> list:
+    """The instructions of the e3nn product ``tp`` for ``openequivariance.TPProblem`` without normalisation: each
+    path's coefficient :math:`c` (e3nn's ``path_weight``, normalisation included) as :math:`c^2`, whose square root
+    ``TPProblem`` takes."""
+    return [(i.i_in1, i.i_in2, i.i_out, i.connection_mode, i.has_weight, i.path_weight ** 2) for i in tp.instructions]
+
+
 def oeq_guide(baseline: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``baseline`` (a ``GuideAttention``) whose ``tp_k`` and ``tp_v`` run on OpenEquivariance."""
     import openequivariance as oeq
@@ -26,10 +36,8 @@ def oeq_guide(baseline: torch.nn.Module) -> torch.nn.Module:
     peer = copy.deepcopy(baseline)
     for name in ("tp_k", "tp_v"):
         tp = getattr(peer, name)
-        instructions = [(i.i_in1, i.i_in2, i.i_out, i.connection_mode, i.has_weight, i.path_weight)
-                        for i in tp.instructions]
-        problem = oeq.TPProblem(tp.irreps_in1, tp.irreps_in2, tp.irreps_out, instructions, shared_weights=False,
-                                internal_weights=False)
+        problem = oeq.TPProblem(tp.irreps_in1, tp.irreps_in2, tp.irreps_out, oeq_instructions(tp), shared_weights=False,
+                                internal_weights=False, irrep_normalization="none", path_normalization="none")
         setattr(peer, name, oeq.TensorProduct(problem, torch_op=True))
     return peer
 

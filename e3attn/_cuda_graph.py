@@ -3,8 +3,9 @@ r"""One call recorded as a CUDA graph and replayed while its inputs keep their s
 Between two searches of a Verlet list (:mod:`e3attn._verlet`) an MD step calls the model on the same edges with new
 positions: the same kernels on tensors of the same shapes. :class:`ReplayedCall` records such a call once (a CUDA
 graph) and then replays it, one launch for what took hundreds, with the new values copied into the recorded
-inputs. A change of its key (the edges, say) runs the call eagerly and records it again. Used by
-:class:`~e3attn.calculator.E3AttnCalculator` with ``cuda_graphs=True``.
+inputs. A change of its key (the edges, say) runs the call eagerly and records it again. Every call runs within
+:func:`e3attn.kernels.recording_graph`: on the layer's Triton kernels unless they are switched off. Used by
+:class:`~e3attn.calculator.E3AttnCalculator` with ``cuda_graphs``.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import warnings
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
+
+from . import kernels
 
 __all__ = ["ReplayedCall"]
 
@@ -21,19 +24,26 @@ class ReplayedCall:
 
     ``key`` is a tuple whose tensors are compared by identity (the same tensor objects, kept alive here) and whose
     other items by equality; ``inputs`` are the tensors whose values change between calls (copied into the
-    recorded ones). At a new key the call runs eagerly (that result is returned) and is then recorded, on a side
-    stream, into a memory pool of its own (the last recording and its pool are freed first). A recording that fails (an operation that cannot
-    be captured, such as one that reads a value on the host) is reported once as a warning and the calls stay
-    eager from then on; :attr:`failed` says why.
+    recorded ones). At a new key the call runs eagerly (that result is returned) and is then also recorded, on a
+    side stream, into a memory pool of its own (the last recording and its pool are freed first). With
+    ``adaptive``, once a recording has been freed without a replay (a key that changes at every call, such as a
+    cell under a barostat), a key is recorded only at its second call in a row, until a recording is replayed
+    again: such calls then cost no recording. A recording that fails (an operation that cannot be captured,
+    such as one that reads a value on the host) is reported once as a warning and the calls stay eager from then
+    on; :attr:`failed` says why.
 
     The tensor returned by a replay is the recorded output, overwritten by the next replay: copy what you keep.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, adaptive: bool = False) -> None:
+        self.adaptive = adaptive
         self.captures = 0  #: recordings so far
         self.replays = 0  #: calls answered by a replay
         self.failed: Optional[str] = None  #: why recording failed, if it did
-        self._key: Tuple[Any, ...] = ()
+        self._key: Tuple[Any, ...] = ()  # of the recording, or of the last eager calls (``_seen`` in a row)
+        self._seen = 0
+        self._unused = False  # whether the last recording was freed without a replay
+        self._replays_before = 0  # self.replays when the recording was made
         self._graph: Optional[torch.cuda.CUDAGraph] = None
         self._inputs: List[torch.Tensor] = []
         self._output: Optional[torch.Tensor] = None
@@ -41,15 +51,23 @@ class ReplayedCall:
 
     def __call__(self, fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
                  key: Tuple[Any, ...]) -> torch.Tensor:
+        with kernels.recording_graph():
+            return self._call(fn, inputs, key)
+
+    def _call(self, fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
+              key: Tuple[Any, ...]) -> torch.Tensor:
         if self._graph is not None and self._same(key, inputs):
             for recorded, value in zip(self._inputs, inputs):
                 recorded.copy_(value)
             self._graph.replay()
             self.replays += 1
             return self._output
+        if self._graph is not None:
+            self._unused = self.replays == self._replays_before
+        self._seen = self._seen + 1 if self._graph is None and self._same_key(key) else 1
         self._graph = self._output = None  # the old recording and its memory pool are freed
-        self._inputs, self._key = [], ()
-        if self.failed is not None:
+        self._inputs, self._key = [], tuple(key)
+        if self.failed is not None or (self.adaptive and self._unused and self._seen < 2):
             return fn(*inputs)
         if self._stream is None or self._stream.device != inputs[0].device:
             self._stream = torch.cuda.Stream(inputs[0].device)
@@ -62,13 +80,14 @@ class ReplayedCall:
         result.record_stream(current)  # made on the side stream, used on the caller's
         return result
 
+    def _same_key(self, key: Tuple[Any, ...]) -> bool:
+        return len(key) == len(self._key) and not any(
+            (a is not b) if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) else a != b
+            for a, b in zip(key, self._key))
+
     def _same(self, key: Tuple[Any, ...], inputs: Sequence[torch.Tensor]) -> bool:
-        if len(key) != len(self._key) or any(
-                (a is not b) if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) else a != b
-                for a, b in zip(key, self._key)):
-            return False
-        return all(r.shape == t.shape and r.dtype == t.dtype and r.device == t.device
-                   for r, t in zip(self._inputs, inputs))
+        return self._same_key(key) and all(r.shape == t.shape and r.dtype == t.dtype and r.device == t.device
+                                           for r, t in zip(self._inputs, inputs))
 
     def _record(self, fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], key: Tuple[Any, ...]) -> None:
         recorded = [t.detach().clone() for t in inputs]
@@ -87,3 +106,4 @@ class ReplayedCall:
             return
         self._graph, self._inputs, self._output, self._key = graph, recorded, output, tuple(key)
         self.captures += 1
+        self._replays_before = self.replays

@@ -1,15 +1,16 @@
 """The environment variables that e3attn reads, each parsed here: a typo is an error naming the variable.
 
-A switch (:func:`env_flag`) takes ``1``/``0``, ``true``/``false``, ``yes``/``no`` or ``on``/``off``; a choice
-(:func:`env_choice`) takes one of its values. Both ignore case and surrounding whitespace, and read an unset or
-empty variable as its default. Anything else raises a ValueError that names the variable and what it accepts.
+A switch (:func:`env_flag`) takes ``1``/``0``, ``true``/``false``, ``yes``/``no`` or ``on``/``off``
+(:func:`env_flag_or_auto`: also ``auto``); a choice (:func:`env_choice`) takes one of its values. All ignore case
+and surrounding whitespace, and read an unset or empty variable as its default. Anything else raises a ValueError
+that names the variable and what it accepts.
 """
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import Optional, Sequence
 
-__all__ = ["env_choice", "env_flag", "set_default"]
+__all__ = ["env_choice", "env_flag", "env_flag_or_auto", "set_default"]
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -37,6 +38,28 @@ def env_flag(name: str, default: bool) -> bool:
         return value in _TRUE
     raise ValueError(
         f"{name} must be 1, true, yes or on (enabled), 0, false, no or off (disabled), in any case, or unset; "
+        f"got {os.environ[name]!r}"
+    )
+
+
+def env_flag_or_auto(name: str) -> Optional[bool]:
+    """The switch ``name`` with a third setting: True and False as :func:`env_flag` reads them, None for ``auto``
+    or when unset or empty (the caller decides).
+
+    Example::
+
+        >>> os.environ["E3ATTN_EXAMPLE"] = "Auto"
+        >>> env_flag_or_auto("E3ATTN_EXAMPLE") is None
+        True
+        >>> del os.environ["E3ATTN_EXAMPLE"]
+    """
+    value = _read(name)
+    if not value or value == "auto":
+        return None
+    if value in _TRUE or value in _FALSE:
+        return value in _TRUE
+    raise ValueError(
+        f"{name} must be 1, true, yes or on (enabled), 0, false, no or off (disabled), auto, in any case, or unset; "
         f"got {os.environ[name]!r}"
     )
 

@@ -159,12 +159,15 @@ class E3AttnCalculator(Calculator):
             :math:`\delta / 2`); 0 searches anew for every configuration.
         cuda_graphs: on a CUDA device, record the call as a CUDA graph after each search of the neighbour list
             and replay it until the next (``e3attn._cuda_graph.ReplayedCall``): one launch per MD step instead
-            of hundreds. The model then sees every candidate edge of the list, up to ``r_max + skin`` (the
-            edges beyond ``r_max`` contribute exactly zero: the cutoff vanishes there), so that the edges keep
-            their number between searches. Results equal the eager call's to rounding. Opt-in (default
-            False); ignored on other devices and with ``skin=0``. A call that cannot be recorded warns once
-            and stays eager. A search records anew (as does the first call that asks for the stress), so a cell
-            that changes every step (a barostat) gains nothing from it.
+            of hundreds, on the layer's Triton kernels (:func:`e3attn.kernels.recording_graph`). The model then
+            sees every candidate edge of the list, up to ``r_max + skin`` (the edges beyond ``r_max`` contribute
+            exactly zero: the cutoff vanishes there), so that the edges keep their number between searches.
+            Results equal the eager call's to rounding. ``None`` (the default): on for a CUDA device with
+            ``skin > 0`` and without ``compile``, and once a recording goes unused (a cell that changes at every
+            step, as under a barostat) only the second call after a search is recorded, so that such steps cost
+            no recordings; ``True``: each search records; ``False``: eager calls. Ignored on other devices and
+            with ``skin=0``. A call that cannot be recorded warns once and stays eager. A search records anew (as
+            does the first call that asks for the stress).
         stress: ``"when_asked"`` (the default: the stress from the first call that asks for it on, see above) or
             ``"always"`` (with every call that has a cell of three lattice vectors).
         keep_memory: on the CPU, make the process keep the memory that a call frees for the next call
@@ -216,7 +219,7 @@ class E3AttnCalculator(Calculator):
         device: Optional[Union[str, torch.device]] = None,
         dtype: Optional[torch.dtype] = None,
         skin: float = DEFAULT_SKIN,
-        cuda_graphs: bool = False,
+        cuda_graphs: Optional[bool] = None,
         stress: str = "when_asked",
         keep_memory: Optional[bool] = None,
         compile: Union[bool, str] = False,
@@ -251,8 +254,8 @@ class E3AttnCalculator(Calculator):
         self._index = np.full(len(chemical_symbols), -1)
         self._index[numbers] = np.arange(len(numbers))
         skin = check_real(skin, "skin", "a non-negative finite number (in Angstrom)", lambda x: 0 <= x < math.inf)
-        if not isinstance(cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs must be a bool, got {cuda_graphs!r}")
+        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be None or a bool, got {cuda_graphs!r}")
         if stress not in STRESS:
             raise ValueError(f"stress must be one of {', '.join(map(repr, STRESS))}, got {stress!r}")
         if keep_memory is not None and not isinstance(keep_memory, bool):
@@ -268,8 +271,8 @@ class E3AttnCalculator(Calculator):
         # whether a call makes the allocator keep freed memory: of how many edges at least (None: none does)
         self._keep_from: Optional[int] = None if keep_memory is False or self.device.type != "cpu" else (
             0 if keep_memory else KEEP_MEMORY_EDGES)
-        replay = cuda_graphs and self.device.type == "cuda" and skin > 0
-        self._replayed = ReplayedCall() if replay else None
+        replay = (not backend if cuda_graphs is None else cuda_graphs) and self.device.type == "cuda" and skin > 0
+        self._replayed = ReplayedCall(adaptive=cuda_graphs is None) if replay else None
         self.neighbour_list = VerletList(self.max_radius, skin, prune=not replay)
         self._elements: tuple = (None, None)  # the atomic numbers of the last call, and their one-hot tensor
         self._stress = stress == "always"  # whether calls compute the stress (when_asked: from the first that asks)
@@ -282,7 +285,7 @@ class E3AttnCalculator(Calculator):
         device: Optional[Union[str, torch.device]] = None,
         dtype: Optional[torch.dtype] = None,
         skin: float = DEFAULT_SKIN,
-        cuda_graphs: bool = False,
+        cuda_graphs: Optional[bool] = None,
         stress: str = "when_asked",
         keep_memory: Optional[bool] = None,
         compile: Union[bool, str] = False,

@@ -61,7 +61,8 @@ CUDA = "import e3attn.kernels as k; print(k._CUDA_ENABLED)"
 @pytest.mark.parametrize("variable, value, code, printed", [
     ("E3ATTN_FUSED_KERNELS", "false", FUSED, "False"), ("E3ATTN_FUSED_KERNELS", "Off", FUSED, "False"),
     ("E3ATTN_FUSED_KERNELS", "yes", FUSED, "True"), ("E3ATTN_CUDA_KERNELS", "on", CUDA, "True"),
-    ("E3ATTN_CUDA_KERNELS", "no", CUDA, "False"),
+    ("E3ATTN_CUDA_KERNELS", "no", CUDA, "False"), ("E3ATTN_CUDA_KERNELS", " Auto", CUDA, "None"),
+    ("E3ATTN_CUDA_KERNELS", "", CUDA, "None"),
 ])
 def test_kernel_switches_read_every_spelling(variable, value, code, printed):
     done = run_with(variable, value, code)
@@ -69,11 +70,12 @@ def test_kernel_switches_read_every_spelling(variable, value, code, printed):
     assert done.stdout.strip() == printed
 
 
-@pytest.mark.parametrize("variable", ["E3ATTN_FUSED_KERNELS", "E3ATTN_CUDA_KERNELS"])
-def test_kernel_switches_refuse_a_typo_at_import(variable):
+@pytest.mark.parametrize("variable, auto", [("E3ATTN_FUSED_KERNELS", False), ("E3ATTN_CUDA_KERNELS", True)])
+def test_kernel_switches_refuse_a_typo_at_import(variable, auto):
     done = run_with(variable, "ture", "import e3attn")
     assert done.returncode != 0
     assert f"ValueError: {variable} must be 1, true, yes or on" in done.stderr and "got 'ture'" in done.stderr
+    assert ("off (disabled), auto," in done.stderr) == auto
 
 
 def test_every_variable_is_read_through_the_one_parser():

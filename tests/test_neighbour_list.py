@@ -8,6 +8,7 @@ from ase.build import bulk, fcc111  # noqa: E402
 from ase.md.verlet import VelocityVerlet  # noqa: E402
 from ase.units import fs, kB  # noqa: E402
 
+from e3attn import kernels  # noqa: E402
 from e3attn._verlet import VerletList  # noqa: E402
 from e3attn.calculator import E3AttnCalculator  # noqa: E402
 from e3attn.graph import radius_graph_pbc  # noqa: E402
@@ -178,12 +179,24 @@ def test_a_wrapped_atom_changes_returned_shifts_only_without_pruning(skin, prune
     np.testing.assert_allclose(np.sort(np.linalg.norm(vectors, axis=1)), np.sort(np.linalg.norm(expected, axis=1)))
 
 
-@pytest.mark.parametrize("value", [1, "yes", None])
-def test_cuda_graphs_must_be_a_bool_and_stay_off_on_the_cpu(model, value):
-    with pytest.raises(ValueError, match="cuda_graphs must be a bool"):
+@pytest.mark.parametrize("value", [1, "yes", "auto"])
+def test_cuda_graphs_must_be_none_or_a_bool_and_stay_off_on_the_cpu(model, value):
+    with pytest.raises(ValueError, match="cuda_graphs must be None or a bool"):
         E3AttnCalculator(model, SPECIES, cuda_graphs=value)
-    calc = E3AttnCalculator(model, SPECIES, cuda_graphs=True)  # CPU: eager, the candidates pruned
-    assert calc._replayed is None and calc.neighbour_list.prune
+    for graphs in (None, True):  # CPU: eager, the candidates pruned
+        calc = E3AttnCalculator(model, SPECIES, cuda_graphs=graphs)
+        assert calc._replayed is None and calc.neighbour_list.prune
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("graphs, compile, replayed", [(None, False, True), (True, False, False),
+                                                       (False, False, None), (None, "eager", None)])
+def test_cuda_graphs_by_default_on_cuda_adaptive(model, graphs, compile, replayed):
+    calc = E3AttnCalculator(model, SPECIES, device="cuda", cuda_graphs=graphs, compile=compile)
+    assert (calc._replayed.adaptive if calc._replayed is not None else None) == replayed
+    assert calc.neighbour_list.prune == (replayed is None)
+    assert E3AttnCalculator(model, SPECIES, device="cuda", skin=0.0)._replayed is None  # nothing to replay
 
 
 @pytest.mark.cuda
@@ -196,17 +209,62 @@ def test_cuda_graphs_replay_the_eager_results_across_searches(model, name):
 
     atoms = hot(STRUCTURES[name](), 600)
     calc = E3AttnCalculator(copy.deepcopy(model), SPECIES, skin=0.3, device="cuda", cuda_graphs=True)
-    reference = E3AttnCalculator(copy.deepcopy(model), SPECIES, skin=0.3, device="cuda")
+    reference = E3AttnCalculator(copy.deepcopy(model), SPECIES, skin=0.3, device="cuda", cuda_graphs=False)
     atoms.calc = calc
     dynamics = VelocityVerlet(atoms, timestep=2.0 * fs)
-    dynamics.attach(lambda: (atoms.wrap(), assert_same_results(calc, reference, atoms)))
-    dynamics.run(30)
+    previous = kernels.set_cuda_kernels(True)  # the eager reference on the kernels that the recordings run
+    try:
+        dynamics.attach(lambda: (atoms.wrap(), assert_same_results(calc, reference, atoms)))
+        dynamics.run(30)
+    finally:
+        kernels.set_cuda_kernels(previous)
     replayed = calc._replayed
     assert replayed.failed is None
     # recorded anew at each search, and once more at the first call that asks for the stress (stress="when_asked":
     # MD asks for energy and forces first)
     assert replayed.captures == calc.neighbour_list.builds + 1 >= 3
     assert replayed.replays > 2 * replayed.captures
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_by_default_replay_the_triton_kernels_and_skip_a_cell_that_changes_every_call(model):
+    """The default (cuda_graphs=None) records at the first call after a search, on the Triton kernels; its
+    results equal the eager plain formulation's in float64 to 1e-10. A cell that changes at every call (a
+    barostat) is recorded once, then no more while no recording is replayed."""
+    import copy
+
+    import e3attn.kernels.segments_triton as segments_triton
+
+    atoms = hot(STRUCTURES["triclinic"](), 600)
+    calc = E3AttnCalculator(copy.deepcopy(model), SPECIES, skin=0.3, device="cuda")
+    reference = E3AttnCalculator(copy.deepcopy(model), SPECIES, skin=0.3, device="cuda", cuda_graphs=False)
+    calls, original = [], segments_triton.node_pass
+    segments_triton.node_pass = lambda *args: calls.append(1) or original(*args)
+    try:
+        atoms.calc = calc
+        for step in range(4):
+            atoms.positions += 0.01 * step
+            for name in ("energy", "forces"):
+                np.testing.assert_allclose(calc.get_property(name, atoms), reference.get_property(name, atoms.copy()),
+                                           rtol=1e-10, atol=1e-10, err_msg=name)
+        assert calls  # the recordings and their eager calls ran the Triton kernels
+        assert (calc._replayed.captures, calc._replayed.replays) == (1, 3)  # step 0 recorded, 1-3 replayed
+        barostat = E3AttnCalculator(copy.deepcopy(model), SPECIES, skin=0.3, device="cuda")
+        atoms.calc = barostat
+        for step in range(4):
+            atoms.set_cell(atoms.cell * 1.001, scale_atoms=True)
+            atoms.get_forces()
+        assert (barostat._replayed.captures, barostat._replayed.replays) == (1, 0)
+        atoms.positions += 0.01  # a key that repeats: recorded at its second call, then replayed
+        atoms.get_forces()
+        atoms.positions += 0.01
+        atoms.get_forces()
+        atoms.positions += 0.01
+        atoms.get_forces()
+        assert (barostat._replayed.captures, barostat._replayed.replays) == (2, 2)
+    finally:
+        segments_triton.node_pass = original
 
 
 @pytest.mark.parametrize("skin", [-0.1, float("nan"), float("inf"), True, "0.5"])

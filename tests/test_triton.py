@@ -45,20 +45,31 @@ def test_the_layer_runs_the_triton_kernels_when_enabled(device, monkeypatch):
     assert len(calls) == 2  # the logits (node_expand) and the output (node_outer)
 
 
-def test_cuda_kernels_are_opt_in():
+def test_cuda_kernels_run_recorded_graphs_by_default_and_everything_when_switched_on():
     cuda = torch.device("cuda")
-    assert not kernels.fused_enabled(cuda, torch.float32)  # off by default
-    previous = kernels.set_cuda_kernels(True)
-    try:
+    assert kernels.set_cuda_kernels(None) is None  # the default
+    assert not kernels.fused_enabled(cuda, torch.float32)  # eager calls: the plain formulation
+    with kernels.recording_graph():
         assert kernels.fused_enabled(cuda, torch.float32) and kernels.fused_enabled(cuda, torch.float64)
         assert not kernels.fused_enabled(cuda, torch.bfloat16)
+        assert kernels.fused_enabled(torch.device("cpu"), torch.float32)  # the CPU's are on whatever the setting
+    assert not kernels.fused_enabled(cuda, torch.float32)  # the block's end restores it
+    try:
+        kernels.set_cuda_kernels(True)
+        assert kernels.fused_enabled(cuda, torch.float32) and kernels.fused_enabled(cuda, torch.float64)
+        assert not kernels.fused_enabled(cuda, torch.bfloat16)
+        kernels.set_cuda_kernels(False)
+        with kernels.recording_graph():  # switched off: not even in recordings
+            assert not kernels.fused_enabled(cuda, torch.float32)
+        kernels.set_cuda_kernels(True)
         kernels.set_fused_kernels(False)  # the switch for every device
         assert not kernels.fused_enabled(cuda, torch.float32)
     finally:
         kernels.set_fused_kernels(True)
-        kernels.set_cuda_kernels(previous)
-    with pytest.raises(ValueError, match="enabled must be a bool"):
-        kernels.set_cuda_kernels("yes")
+        kernels.set_cuda_kernels(None)
+    for bad in ("yes", 1, "auto"):
+        with pytest.raises(ValueError, match="enabled must be a bool or None"):
+            kernels.set_cuda_kernels(bad)
 
 
 @pytest.mark.cuda

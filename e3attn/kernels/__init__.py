@@ -23,8 +23,10 @@ formulation, two backends, chosen by :func:`backend` for the device of the tenso
 * :mod:`e3attn.kernels.index_add`: ATen's ``index_add`` as an operator that compilers call (the traced training
   step's sums at indices).
 
-The kernels run CPU tensors, and CUDA tensors after :func:`set_cuda_kernels` (opt-in while the GPU benchmark
-has not shown them faster than the plain formulation in every case), in float32 and float64, outside autocast,
+The kernels run CPU tensors, and CUDA tensors where :func:`set_cuda_kernels` says: by default while a call is
+recorded as a CUDA graph (:func:`recording_graph`; the MD calculator's replayed steps, where the kernels' host
+cost per launch does not count and the GPU benchmark shows them faster than the plain formulation at every size),
+everywhere after ``set_cuda_kernels(True)``, in float32 and float64, outside autocast,
 ``torch.func`` transforms and forward-mode AD; :func:`fused_enabled` is the one place that decides, and
 :func:`segments_enabled` says where the layer contracts at the nodes. Everything else, and
 :meth:`~e3attn.attention.EquivariantAttention.dense` and
@@ -42,26 +44,30 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib.util
+from typing import Iterator, Optional
 
 import torch
 
-from .._env import env_flag
+from .._env import env_flag, env_flag_or_auto
 from . import backends
 from .backends import backend, set_cpu_backend
 
-__all__ = ["backend", "eager_on_cpu", "fused_enabled", "segments_enabled", "set_cpu_backend", "set_cuda_kernels",
-           "set_fused_kernels"]
+__all__ = ["backend", "eager_on_cpu", "fused_enabled", "recording_graph", "segments_enabled", "set_cpu_backend",
+           "set_cuda_kernels", "set_fused_kernels"]
 
 _DTYPES = (torch.float32, torch.float64)
 _ENABLED = env_flag("E3ATTN_FUSED_KERNELS", True)
-_CUDA_ENABLED = env_flag("E3ATTN_CUDA_KERNELS", False)
+_CUDA_ENABLED = env_flag_or_auto("E3ATTN_CUDA_KERNELS")  # None: while a CUDA graph is recorded (the default)
+_RECORDING = contextvars.ContextVar("e3attn_recording_graph", default=False)
 
 
-def _switch(name: str, enabled: bool) -> bool:
-    if not isinstance(enabled, bool):
-        raise ValueError(f"enabled must be a bool, got {enabled!r}")
+def _switch(name: str, enabled: Optional[bool], allow_none: bool = False) -> Optional[bool]:
+    if not (isinstance(enabled, bool) or (allow_none and enabled is None)):
+        raise ValueError(f"enabled must be a bool{' or None' if allow_none else ''}, got {enabled!r}")
     previous = globals()[name]
     globals()[name] = enabled
     return previous
@@ -70,25 +76,54 @@ def _switch(name: str, enabled: bool) -> bool:
 def set_fused_kernels(enabled: bool) -> bool:
     """Switch the compiled kernels on (the default) or off. On, they run where :func:`fused_enabled` says: the
     layer's numba kernels for CPU tensors (its node contraction, :func:`segments_enabled`, its geometry and its
-    softmax), and its Triton kernels for CUDA tensors after :func:`set_cuda_kernels` ``(True)``. Off (also
+    softmax), and its Triton kernels for CUDA tensors where :func:`set_cuda_kernels` says. Off (also
     ``E3ATTN_FUSED_KERNELS=0``), the plain formulation runs on every device. (The name is that of earlier
     versions, whose kernels fused the tensor product per edge.) Returns the previous setting."""
     return _switch("_ENABLED", enabled)
 
 
-def set_cuda_kernels(enabled: bool) -> bool:
-    """Run CUDA tensors on the Triton kernels (opt-in; also ``E3ATTN_CUDA_KERNELS=1``): the layer's node
-    contraction (:mod:`e3attn.kernels.segments_triton`); or on the plain formulation (the
-    default until the GPU benchmark shows the kernels faster everywhere: see :doc:`/guide/performance`). Returns
-    the previous setting."""
-    return _switch("_CUDA_ENABLED", enabled)
+def set_cuda_kernels(enabled: Optional[bool]) -> Optional[bool]:
+    """Where CUDA tensors run on the Triton kernels (the layer's node contraction,
+    :mod:`e3attn.kernels.segments_triton`) rather than on the plain formulation:
+
+    * ``None`` (the default; ``E3ATTN_CUDA_KERNELS`` unset or ``auto``): in calls recorded as CUDA graphs
+      (:func:`recording_graph`: the calculator's ``cuda_graphs``), where they are faster at every size measured;
+      eager calls take the plain formulation, whose lower host cost per operation wins on small graphs (see
+      :doc:`/guide/performance`);
+    * ``True`` (``E3ATTN_CUDA_KERNELS=1``): everywhere; on large graphs and wide products they are several times
+      faster than the plain formulation and take a third of its memory;
+    * ``False`` (``E3ATTN_CUDA_KERNELS=0``): nowhere.
+
+    Returns the previous setting."""
+    return _switch("_CUDA_ENABLED", enabled, allow_none=True)
+
+
+@contextlib.contextmanager
+def recording_graph() -> Iterator[None]:
+    """Within the block, calls on CUDA are being recorded as a CUDA graph, or warm up for one (in this thread or
+    task): the Triton kernels run them unless :func:`set_cuda_kernels` ``(False)``. Used by
+    ``e3attn._cuda_graph.ReplayedCall``.
+
+    Example::
+
+        >>> cuda = torch.device("cuda")
+        >>> fused_enabled(cuda, torch.float32)  # by default, an eager call on CUDA takes the plain formulation
+        False
+        >>> with recording_graph():
+        ...     recorded = fused_enabled(cuda, torch.float32)  # True where Triton is installed
+    """
+    token = _RECORDING.set(True)
+    try:
+        yield
+    finally:
+        _RECORDING.reset(token)
 
 
 def fused_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the compiled kernels run tensors of ``dtype`` on ``device`` (the layer's node contraction,
     :func:`segments_enabled`).
 
-    On the CPU, and on CUDA after :func:`set_cuda_kernels` ``(True)`` (with Triton installed), in float32
+    On the CPU, and on CUDA where :func:`set_cuda_kernels` says (with Triton installed), in float32
     and float64, neither under autocast nor inside a ``torch.func`` transform nor in forward-mode AD
     (``torch.autograd.forward_ad``: the kernels have no forward derivative), unless switched off with
     :func:`set_fused_kernels`.
@@ -97,7 +132,7 @@ def fused_enabled(device: torch.device, dtype: torch.dtype) -> bool:
         return False
     if (device.type == "cuda" or backends.cpu_backend() == "triton") and not _has_triton():
         return False
-    if device.type == "cuda" and not _CUDA_ENABLED:
+    if device.type == "cuda" and not (_RECORDING.get() if _CUDA_ENABLED is None else _CUDA_ENABLED):
         return False
     return not (torch.is_autocast_enabled(device.type) or torch._C._are_functorch_transforms_active()
                 or torch.autograd.forward_ad._current_level >= 0)
