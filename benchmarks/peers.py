@@ -8,7 +8,8 @@ products on another library's kernels, what a user who wants speed builds today.
   output is compared with the baseline's before timing (``peer_rel_diff``). e3nn's instructions hold the final
   coefficient :math:`c` of each path, normalisation included, while ``TPProblem`` normalises the path weights it is
   given and takes their square root: so it gets :math:`c^2` without normalisation (until 2026-11-29 it got
-  :math:`c` with its default normalisation, which changed the output by 40-60 % at the same cost).
+  :math:`c` with its default normalisation, which changed the output by 41-88 % at the same cost). On the large
+  configuration of ``layer.py`` the output still differs (0.80 on an H200, 2026-11-29), not yet understood.
 
 OpenEquivariance is not a dependency of e3attn: install it (``pip install openequivariance``, or its source
 distribution unpacked on ``PYTHONPATH``); its extension compiles on the first import (about 2 minutes).

@@ -3,7 +3,7 @@ r"""One call recorded as a CUDA graph and replayed while its inputs keep their s
 Between two searches of a Verlet list (:mod:`e3attn._verlet`) an MD step calls the model on the same edges with new
 positions: the same kernels on tensors of the same shapes. :class:`ReplayedCall` records such a call once (a CUDA
 graph) and then replays it, one launch for what took hundreds, with the new values copied into the recorded
-inputs. A change of its key (the edges, say) runs the call eagerly and records it again. Every call runs within
+inputs. A change of its key (the edges, say) runs the call eagerly and records it again, both within
 :func:`e3attn.kernels.recording_graph`: on the layer's Triton kernels unless they are switched off. Used by
 :class:`~e3attn.calculator.E3AttnCalculator` with ``cuda_graphs``.
 """
@@ -25,10 +25,12 @@ class ReplayedCall:
     ``key`` is a tuple whose tensors are compared by identity (the same tensor objects, kept alive here) and whose
     other items by equality; ``inputs`` are the tensors whose values change between calls (copied into the
     recorded ones). At a new key the call runs eagerly (that result is returned) and is then also recorded, on a
-    side stream, into a memory pool of its own (the last recording and its pool are freed first). With
-    ``adaptive``, once a recording has been freed without a replay (a key that changes at every call, such as a
-    cell under a barostat), a key is recorded only at its second call in a row, until a recording is replayed
-    again: such calls then cost no recording. A recording that fails (an operation that cannot be captured,
+    side stream, into a memory pool of its own (the last recording and its pool are freed first); both run within
+    :func:`e3attn.kernels.recording_graph`. With ``adaptive``, once a recording has been freed without a replay
+    (a key that changes at every call, such as a cell under a barostat), a key is recorded only at its second
+    call in a row, until a recording is replayed again, so that such calls cost no recording. A call that is
+    neither replayed nor recorded runs ``eager()`` where given (the same result by other means, e.g. on fewer
+    edges), else ``fn(*inputs)``, outside that context. A recording that fails (an operation that cannot be captured,
     such as one that reads a value on the host) is reported once as a warning and the calls stay eager from then
     on; :attr:`failed` says why.
 
@@ -49,13 +51,8 @@ class ReplayedCall:
         self._output: Optional[torch.Tensor] = None
         self._stream: Optional[torch.cuda.Stream] = None
 
-    def __call__(self, fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
-                 key: Tuple[Any, ...]) -> torch.Tensor:
-        with kernels.recording_graph():
-            return self._call(fn, inputs, key)
-
-    def _call(self, fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
-              key: Tuple[Any, ...]) -> torch.Tensor:
+    def __call__(self, fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], key: Tuple[Any, ...],
+                 eager: Optional[Callable[[], torch.Tensor]] = None) -> torch.Tensor:
         if self._graph is not None and self._same(key, inputs):
             for recorded, value in zip(self._inputs, inputs):
                 recorded.copy_(value)
@@ -68,12 +65,13 @@ class ReplayedCall:
         self._graph = self._output = None  # the old recording and its memory pool are freed
         self._inputs, self._key = [], tuple(key)
         if self.failed is not None or (self.adaptive and self._unused and self._seen < 2):
-            return fn(*inputs)
+            return eager() if eager is not None else fn(*inputs)
         if self._stream is None or self._stream.device != inputs[0].device:
             self._stream = torch.cuda.Stream(inputs[0].device)
         stream, current = self._stream, torch.cuda.current_stream(inputs[0].device)
         stream.wait_stream(current)
-        with torch.cuda.stream(stream):  # eagerly on the stream that records: its lazy set-up happens here
+        # eagerly on the stream that records (its lazy set-up, the Triton kernels' tuning, happens here), then recorded
+        with torch.cuda.stream(stream), kernels.recording_graph():
             result = fn(*inputs)
             self._record(fn, inputs, key)
         current.wait_stream(stream)

@@ -76,8 +76,9 @@ class EquivariantAttention(torch.nn.Module):
     derivatives (forces) are finite but second derivatives in the positions
     (training on forces, Hessians) are NaN, as in the e3nn guide.
 
-    On the CPU (float32 and float64), and on CUDA after
-    :func:`e3attn.kernels.set_cuda_kernels` ``(True)`` (Triton kernels), the
+    On the CPU (float32 and float64), and on CUDA where
+    :func:`e3attn.kernels.set_cuda_kernels` says (Triton kernels: in calls recorded as
+    CUDA graphs by default, in every call after ``set_cuda_kernels(True)``), the
     layer computes exactly this without forming :math:`k_e`, :math:`v_e` or
     their weights on any edge: the radial networks' last layers are contracted
     at the nodes (:class:`~e3attn.node_contraction.NodeContraction`), except under autocast,

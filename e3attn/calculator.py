@@ -132,7 +132,8 @@ class E3AttnCalculator(Calculator):
     :math:`r_\mathrm{max} + \delta` with the ``skin`` :math:`\delta`, and until some atom has moved more than
     :math:`\delta / 2` since (periodic wrapping taken into account), or the cell, the periodic directions or
     the number of atoms change, each call only keeps the candidates closer than :math:`r_\mathrm{max}`
-    (``skin=0``: a new search for every configuration). Results equal those of a new search to rounding:
+    (``skin=0``: a new search for every configuration; with ``cuda_graphs``, the default on CUDA, the recorded
+    calls take every candidate). Results equal those of a new search to rounding:
     the model gets the same edges in the same order, except pairs within rounding of :math:`r_\mathrm{max}`,
     where the cutoff and the radial basis vanish so that such edges add exactly nothing. The edge vectors
     are computed from the current positions on every call.
@@ -371,9 +372,11 @@ class E3AttnCalculator(Calculator):
         with frozen(self._parameters_list):  # no gradients of the weights
             if self._replayed is None:
                 return call_values(self.model, pos, cell, node_attr, edge_index, shifts, with_stress)
+            within = functools.partial(self.neighbour_list.within_cutoff, edge_index, shifts, pos, cell)
             return self._replayed(functools.partial(call_values, self.model, node_attr=node_attr,
                                                     edge_index=edge_index, shifts=shifts, with_stress=with_stress),
-                                  (pos, cell), key=(edge_index, shifts, node_attr, with_stress))
+                                  (pos, cell), key=(edge_index, shifts, node_attr, with_stress),
+                                  eager=lambda: call_values(self.model, pos, cell, node_attr, *within(), with_stress))
 
     def _elements_of(self, numbers: np.ndarray) -> Tuple[torch.Tensor, float]:
         """The one-hot node attributes of atoms with atomic ``numbers`` and the sum of their reference energies,

@@ -440,7 +440,11 @@ def test_where_the_layer_contracts_at_the_nodes():
     cpu = torch.device("cpu")
     assert kernels.segments_enabled(cpu, torch.float32) and kernels.segments_enabled(cpu, torch.float64)
     assert not kernels.segments_enabled(cpu, torch.bfloat16)
-    assert not kernels.segments_enabled(torch.device("cuda"), torch.float32)  # eager on CUDA: the plain formulation
+    previous = kernels.set_cuda_kernels(None)  # the default
+    try:
+        assert not kernels.segments_enabled(torch.device("cuda"), torch.float32)  # eager on CUDA: the plain formulation
+    finally:
+        kernels.set_cuda_kernels(previous)
     assert kernels.backend(cpu) == "numba" and kernels.backend(torch.device("cuda")) == "triton"
     with pytest.raises(NotImplementedError, match="no e3attn kernel for device 'meta'"):
         kernels.backend(torch.device("meta"))

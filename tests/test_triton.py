@@ -47,7 +47,7 @@ def test_the_layer_runs_the_triton_kernels_when_enabled(device, monkeypatch):
 
 def test_cuda_kernels_run_recorded_graphs_by_default_and_everything_when_switched_on():
     cuda = torch.device("cuda")
-    assert kernels.set_cuda_kernels(None) is None  # the default
+    previous = kernels.set_cuda_kernels(None)  # the default (unless E3ATTN_CUDA_KERNELS says otherwise)
     assert not kernels.fused_enabled(cuda, torch.float32)  # eager calls: the plain formulation
     with kernels.recording_graph():
         assert kernels.fused_enabled(cuda, torch.float32) and kernels.fused_enabled(cuda, torch.float64)
@@ -66,7 +66,7 @@ def test_cuda_kernels_run_recorded_graphs_by_default_and_everything_when_switche
         assert not kernels.fused_enabled(cuda, torch.float32)
     finally:
         kernels.set_fused_kernels(True)
-        kernels.set_cuda_kernels(None)
+        kernels.set_cuda_kernels(previous)
     for bad in ("yes", 1, "auto"):
         with pytest.raises(ValueError, match="enabled must be a bool or None"):
             kernels.set_cuda_kernels(bad)

@@ -106,11 +106,12 @@ def recording_graph() -> Iterator[None]:
 
     Example::
 
-        >>> cuda = torch.device("cuda")
-        >>> fused_enabled(cuda, torch.float32)  # by default, an eager call on CUDA takes the plain formulation
+        >>> cuda, previous = torch.device("cuda"), set_cuda_kernels(None)  # the default
+        >>> fused_enabled(cuda, torch.float32)  # an eager call on CUDA takes the plain formulation
         False
         >>> with recording_graph():
         ...     recorded = fused_enabled(cuda, torch.float32)  # True where Triton is installed
+        >>> _ = set_cuda_kernels(previous)
     """
     token = _RECORDING.set(True)
     try:
@@ -132,6 +133,8 @@ def fused_enabled(device: torch.device, dtype: torch.dtype) -> bool:
         return False
     if (device.type == "cuda" or backends.cpu_backend() == "triton") and not _has_triton():
         return False
+    # read where a forward decides its formulation (a ContextVar: a backward on autograd's device threads would not
+    # see recording_graph's setting; the backward formulas dispatch on backend() alone)
     if device.type == "cuda" and not (_RECORDING.get() if _CUDA_ENABLED is None else _CUDA_ENABLED):
         return False
     return not (torch.is_autocast_enabled(device.type) or torch._C._are_functorch_transforms_active()
