@@ -111,7 +111,7 @@ def measure_e3attn(num_atoms: int, model: torch.nn.Module, args) -> dict:
     for label, skin, compile in calculators:
         atoms = crystal.copy()
         atoms.calc = E3AttnCalculator(model, list(molecules.SPECIES), device=args.device, dtype=DTYPES[args.dtype],
-                                      skin=skin, cuda_graphs=None if compile else GRAPHS[args.cuda_graphs],
+                                      skin=skin, cuda_graphs=False if compile else GRAPHS[args.cuda_graphs],
                                       keep_memory=KEEP_MEMORY[args.keep_memory], compile=compile)
         runs[label] = {"atoms": atoms, "t": 0}
 

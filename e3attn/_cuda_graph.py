@@ -73,7 +73,7 @@ class ReplayedCall:
         # eagerly on the stream that records (its lazy set-up, the Triton kernels' tuning, happens here), then recorded
         with torch.cuda.stream(stream), kernels.recording_graph():
             result = fn(*inputs)
-            self._record(fn, inputs, key)
+            self._record(fn, inputs)
         current.wait_stream(stream)
         result.record_stream(current)  # made on the side stream, used on the caller's
         return result
@@ -87,7 +87,7 @@ class ReplayedCall:
         return self._same_key(key) and all(r.shape == t.shape and r.dtype == t.dtype and r.device == t.device
                                            for r, t in zip(self._inputs, inputs))
 
-    def _record(self, fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], key: Tuple[Any, ...]) -> None:
+    def _record(self, fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
         recorded = [t.detach().clone() for t in inputs]
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(recorded[0].device)  # as torch.cuda.graph does: nothing pending while recording
@@ -102,6 +102,6 @@ class ReplayedCall:
             warnings.warn(f"e3attn: the call could not be recorded as a CUDA graph; it runs eagerly ({self.failed})",
                           RuntimeWarning, stacklevel=3)
             return
-        self._graph, self._inputs, self._output, self._key = graph, recorded, output, tuple(key)
+        self._graph, self._inputs, self._output = graph, recorded, output  # self._key: set by the caller
         self.captures += 1
         self._replays_before = self.replays

@@ -1,6 +1,7 @@
 """``e3attn._cuda_graph.ReplayedCall``'s bookkeeping on the CPU, with a stand-in for CUDA's graph API that records
-the call and replays it by calling it again: which calls are replayed, recorded or eager (and on which kernels),
-with and without ``adaptive``. On a GPU, ``tests/test_neighbour_list.py`` checks the real recordings' results."""
+the call's input and output and replays it by computing the result again: which calls are replayed, recorded or
+eager (and on which kernels), with and without ``adaptive``. On a GPU, ``tests/test_neighbour_list.py`` checks the
+real recordings' results."""
 import contextlib
 
 import pytest
@@ -11,8 +12,8 @@ from e3attn._cuda_graph import ReplayedCall
 
 
 class FakeGraph:
-    """Records the function called between capture_begin and capture_end; replay calls it again on the recorded
-    inputs and writes into the recorded output, as a CUDA graph's replay does."""
+    """Knows, between capture_begin and capture_end, the recorded call's input and output (set by the call); replay
+    computes that call's result from the recorded input into the recorded output, as a CUDA graph's replay does."""
 
     capturing = None
 

@@ -228,7 +228,8 @@ def test_cuda_graphs_replay_the_eager_results_across_searches(model, name):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graphs_by_default_replay_the_triton_kernels_and_skip_a_cell_that_changes_every_call(model):
+def test_cuda_graphs_by_default_replay_the_triton_kernels_and_skip_a_cell_that_changes_every_call(
+        model, monkeypatch):
     """The default (cuda_graphs=None) records at the first call after a search, on the Triton kernels; its
     results equal the eager plain formulation's in float64 to 1e-10. A cell that changes at every call (a
     barostat) is recorded once, then no more while no recording is replayed."""
@@ -240,31 +241,28 @@ def test_cuda_graphs_by_default_replay_the_triton_kernels_and_skip_a_cell_that_c
     calc = E3AttnCalculator(copy.deepcopy(model), SPECIES, skin=0.3, device="cuda")
     reference = E3AttnCalculator(copy.deepcopy(model), SPECIES, skin=0.3, device="cuda", cuda_graphs=False)
     calls, original = [], segments_triton.node_pass
-    segments_triton.node_pass = lambda *args: calls.append(1) or original(*args)
-    try:
-        atoms.calc = calc
-        for step in range(4):
-            atoms.positions += 0.01 * step
-            for name in ("energy", "forces"):
-                np.testing.assert_allclose(calc.get_property(name, atoms), reference.get_property(name, atoms.copy()),
-                                           rtol=1e-10, atol=1e-10, err_msg=name)
-        assert calls  # the recordings and their eager calls ran the Triton kernels
-        assert (calc._replayed.captures, calc._replayed.replays) == (1, 3)  # step 0 recorded, 1-3 replayed
-        barostat = E3AttnCalculator(copy.deepcopy(model), SPECIES, skin=0.3, device="cuda")
-        atoms.calc = barostat
-        for step in range(4):
-            atoms.set_cell(atoms.cell * 1.001, scale_atoms=True)
-            atoms.get_forces()
-        assert (barostat._replayed.captures, barostat._replayed.replays) == (1, 0)
-        atoms.positions += 0.01  # a key that repeats: recorded at its second call, then replayed
+    monkeypatch.setattr(segments_triton, "node_pass", lambda *args: calls.append(1) or original(*args))
+    atoms.calc = calc
+    for step in range(4):
+        atoms.positions += 0.01 * step
+        for name in ("energy", "forces"):
+            np.testing.assert_allclose(calc.get_property(name, atoms), reference.get_property(name, atoms.copy()),
+                                       rtol=1e-10, atol=1e-10, err_msg=name)
+    assert calls  # the recordings and their eager calls ran the Triton kernels
+    assert (calc._replayed.captures, calc._replayed.replays) == (1, 3)  # step 0 recorded, 1-3 replayed
+    barostat = E3AttnCalculator(copy.deepcopy(model), SPECIES, skin=0.3, device="cuda")
+    atoms.calc = barostat
+    for step in range(4):
+        atoms.set_cell(atoms.cell * 1.001, scale_atoms=True)
         atoms.get_forces()
-        atoms.positions += 0.01
-        atoms.get_forces()
-        atoms.positions += 0.01
-        atoms.get_forces()
-        assert (barostat._replayed.captures, barostat._replayed.replays) == (2, 2)
-    finally:
-        segments_triton.node_pass = original
+    assert (barostat._replayed.captures, barostat._replayed.replays) == (1, 0)
+    atoms.positions += 0.01  # a key that repeats: recorded at its second call, then replayed
+    atoms.get_forces()
+    atoms.positions += 0.01
+    atoms.get_forces()
+    atoms.positions += 0.01
+    atoms.get_forces()
+    assert (barostat._replayed.captures, barostat._replayed.replays) == (2, 2)
 
 
 @pytest.mark.parametrize("skin", [-0.1, float("nan"), float("inf"), True, "0.5"])
