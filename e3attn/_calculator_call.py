@@ -14,7 +14,7 @@ from typing import Dict, Iterator, List
 
 import torch
 
-from ._checks import values_checked_by_caller
+from ._checks import edges_sorted_by_caller, values_checked_by_caller
 from ._tracing import TracedGraphs, weights_as_inputs
 from .kernels.segment_checks import arguments_checked_by_caller
 from .models.energy import energy_and_forces, energy_forces_stress
@@ -40,11 +40,12 @@ def call_values(model: torch.nn.Module, pos: torch.Tensor, cell: torch.Tensor, n
                 edge_index: torch.Tensor, shifts: torch.Tensor, with_stress: bool) -> torch.Tensor:
     """``[energy, forces (3 N), stress (9; zeros without)]`` of one structure in the model's units, detached.
 
-    The edges, shifts and attributes are the caller's own (not checked again); the model's weights should not
-    require gradients (forces need none of them).
+    The edges, shifts and attributes are the caller's own (not checked again), the edges sorted by destination
+    (as :func:`~e3attn.radius_graph_pbc` and the Verlet list give them: the layers do not sort them again); the
+    model's weights should not require gradients (forces need none of them).
     """
     graph = dict(node_attr=node_attr, edge_index=edge_index, shifts=shifts, create_graph=False)
-    with values_checked_by_caller():
+    with values_checked_by_caller(), edges_sorted_by_caller():
         if with_stress:
             energy, forces, stress = energy_forces_stress(model, pos, cell=cell, **graph)
         else:
@@ -64,7 +65,7 @@ class CompiledCall:
         >>> model = EquivariantTransformer("1x0e", "4x0e + 2x1o", "0e", 2.0, irreps_node_attr="1x0e", reduce="sum")
         >>> call = CompiledCall(model, backend="eager")
         >>> pos, cell = torch.randn(4, 3), torch.zeros(3, 3)
-        >>> edge_index = torch.tensor([[0, 1, 2, 3], [1, 0, 3, 2]])
+        >>> edge_index = torch.tensor([[1, 0, 3, 2], [0, 1, 2, 3]])  # sorted by destination
         >>> values = call(pos, cell, torch.ones(4, 1), edge_index, torch.zeros(4, 3), with_stress=False)
         >>> torch.allclose(values, call_values(model, pos, cell, torch.ones(4, 1), edge_index, torch.zeros(4, 3),
         ...                                    with_stress=False), atol=1e-6)

@@ -19,9 +19,9 @@ from ._checks import (
     check_int,
     check_pos,
     check_radius_fits,
+    sorted_by_destination,
 )
 from ._irreps import IrrepsLike, as_irreps, support
-from ._tracing import tracing
 from .edge_geometry import Geometry, edge_geometry
 from .graph import radius_graph
 from .heads import MultiHeadDot, scale_heads, split_heads
@@ -327,8 +327,7 @@ class EquivariantAttention(torch.nn.Module):
         """The output and the attention (in the order of the edges) by :class:`~e3attn.node_contraction.NodeContraction`,
         on the edges sorted by destination."""
         order = None
-        # on a GPU, sorting costs less than reading back whether the edges are sorted (a synchronisation)
-        if tracing() or dst.device.type != "cpu" or not bool((dst[1:] >= dst[:-1]).all()):
+        if not sorted_by_destination(dst):
             order = _destination_order(dst)
             src, dst, edge_vec = src.index_select(0, order), dst.index_select(0, order), gather_rows(edge_vec, order)
             if geometry is not None:

@@ -1,4 +1,6 @@
 """The calculator's compiled call (``compile=``): the eager call's results, one graph across numbers of edges."""
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +12,13 @@ from ase.md.verlet import VelocityVerlet  # noqa: E402
 from ase.neighborlist import neighbor_list  # noqa: E402
 from ase.units import fs  # noqa: E402
 
+from e3attn import _calculator_call  # noqa: E402
+from e3attn._calculator_call import CompiledCall  # noqa: E402
+from e3attn._checks import edges_sorted_by_caller, sorted_by_destination  # noqa: E402
+from e3attn._tracing import traced_step  # noqa: E402
 from e3attn.calculator import E3AttnCalculator  # noqa: E402
+from e3attn.graph import radius_graph_pbc  # noqa: E402
+from e3attn.models import energy_forces_stress  # noqa: E402
 from test_neighbour_list import SPECIES, assert_same_results, hot, make_model  # noqa: E402
 
 
@@ -82,3 +90,45 @@ def test_the_compiled_call_follows_the_weights_and_bad_options_are_named():
         E3AttnCalculator(model, SPECIES, compile="nonsense")
     with pytest.raises(ValueError, match="got compile=True, cuda_graphs=True"):
         E3AttnCalculator(model, SPECIES, compile=True, cuda_graphs=True)
+
+
+def _destination_sorts(call: CompiledCall) -> int:
+    """How many times the traced graph of ``call`` (without the stress) sorts the edges by destination."""
+    (_, _, graph), = call.graphs[False].graphs
+    return sum(node.target is torch.ops.e3attn.destination_order.default for node in graph.graph.nodes)
+
+
+def test_the_calls_take_the_searchs_edges_as_sorted_and_equal_the_model_on_shuffled_edges(monkeypatch):
+    """The neighbour search sorts the edges by destination, so the calculator's call (``call_values``, traced here)
+    does not sort them again, where a trace, which cannot test the order, otherwise must; its results equal the
+    model's on the same edges shuffled (which the model sorts itself) to 1e-12."""
+    model = make_model().requires_grad_(False)
+    atoms = hot(bulk("Cu", "fcc", a=3.6).repeat((3, 3, 2)), 300)
+    pos, cell = torch.as_tensor(atoms.positions), torch.as_tensor(atoms.cell.array)
+    edge_index, shifts = radius_graph_pbc(pos, cell, torch.as_tensor(atoms.pbc), model.max_radius)
+    dst = edge_index[1]
+    assert bool((dst[1:] >= dst[:-1]).all()) and len(set(dst.tolist())) == len(atoms)
+    node_attr = torch.nn.functional.one_hot(torch.as_tensor([SPECIES.index(s) for s in atoms.symbols]), 2).double()
+    call = CompiledCall(model, backend=None)
+    values = call(pos, cell, node_attr, edge_index, shifts, with_stress=True)
+    shuffle = torch.randperm(dst.shape[0], generator=torch.Generator().manual_seed(0))
+    energy, forces, stress = energy_forces_stress(model, pos, cell=cell, node_attr=node_attr,
+                                                  edge_index=edge_index[:, shuffle], shifts=shifts[shuffle])
+    expected = torch.cat([energy[:1], forces.reshape(-1), stress.reshape(-1)])
+    torch.testing.assert_close(values, expected.detach(), rtol=1e-12, atol=1e-12)
+    call(pos, cell, node_attr, edge_index, shifts, with_stress=False)
+    assert _destination_sorts(call) == 0
+    monkeypatch.setattr(_calculator_call, "edges_sorted_by_caller", contextlib.nullcontext)
+    unpromised = CompiledCall(model, backend=None)
+    unpromised(pos, cell, node_attr, edge_index, shifts, with_stress=False)
+    assert _destination_sorts(unpromised) == len(model.layers)  # each layer sorts: what the promise saves
+
+
+def test_sorted_by_destination_tests_the_cpus_edges_unless_promised():
+    unsorted, ascending = torch.tensor([1, 0, 2]), torch.tensor([0, 0, 2])
+    assert sorted_by_destination(ascending) and not sorted_by_destination(unsorted)
+    with edges_sorted_by_caller():
+        assert sorted_by_destination(unsorted)  # taken as promised, not tested
+    assert not sorted_by_destination(unsorted)
+    with traced_step(1):
+        assert not sorted_by_destination(ascending)  # a trace cannot read the values

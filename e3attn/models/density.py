@@ -8,7 +8,8 @@ import torch
 from .. import kernels
 from ..kernels import moments
 from .._constants import Float64ConstantsModule
-from .._checks import check_dtype, check_edge_index, check_edge_vec, check_features, check_int
+from .._checks import (check_dtype, check_edge_index, check_edge_vec, check_features, check_int,
+                       sorted_by_destination)
 from .._irreps import IrrepsLike, as_irreps
 from ..edge_geometry import SCALARS, Geometry, edge_geometry
 from ..linear import IrrepsLinear
@@ -201,8 +202,7 @@ class NeighbourDensity(Float64ConstantsModule):
         weights :math:`c R s` per degree and channel) and the harmonics ``y [E, (lmax + 1)^2 - 1]``: on the kernel
         of :mod:`e3attn.kernels.moments_ops` for edges sorted by destination where the layer's kernels run in eager
         mode, else in PyTorch operations."""
-        if (kernels.fused_enabled(a.device, a.dtype) and kernels.eager_on_cpu(a, y)
-                and bool((dst[1:] >= dst[:-1]).all())):
+        if kernels.fused_enabled(a.device, a.dtype) and kernels.eager_on_cpu(a, y) and sorted_by_destination(dst):
             from ..kernels import moments_ops  # imports numba: only where the kernels run
 
             rowptr = torch.searchsorted(dst.contiguous(), torch.arange(num_nodes + 1, device=dst.device))
