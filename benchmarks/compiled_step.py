@@ -12,7 +12,10 @@ same turns, the graph compiled with inductor's default Python wrapper instead of
 for on the CPU (``e3attn._tracing.CPU_INDUCTOR_OPTIONS``); ``--one-unit`` the graph compiled with the C++ wrapper
 and the kernels in one translation unit at ``-O3`` (e3attn compiles the wrapper apart, at ``-O1``);
 ``--wrapper-o0`` the wrapper compiled apart at ``-O0``; ``--inductor-index-add`` the graph whose
-``index_add`` are left to inductor (e3attn makes them calls of ATen's, ``e3attn._tracing.index_adds_as_calls``).
+``index_add`` are left to inductor (e3attn makes them calls of ATen's, ``e3attn._tracing.index_adds_as_calls``);
+``--unsorted`` the step whose graph sorts the batch's edges by destination, as every traced step did before
+2026-11-30 (e3attn's takes the sorted edges of ``collate``'s batches as they are:
+``e3attn._tracing.edges_sorted_by_caller``).
 Each of them is compiled at its own first call, after the step's, and its seconds are reported too.
 ``--serial-builds`` compiles every graph with inductor's own builds, the C++ wrapper and then the kernels, where
 e3attn compiles the two side by side (``e3attn._cpp_builds``): two runs with empty caches, one with it, compare
@@ -27,6 +30,7 @@ Example::
     python benchmarks/compiled_step.py --threads 2 --frames benchmarks/data/organic/aspirin_train.xyz \
         --inductor-index-add --wrapper-o0      # batches of aspirin's frames (benchmarks/organic_data.py)
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python benchmarks/compiled_step.py --threads 2 --serial-builds
+    python benchmarks/compiled_step.py --threads 1 --unsorted                       # the sort kept in the graph
 """
 from __future__ import annotations
 
@@ -84,6 +88,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="also time the step whose C++ wrapper is compiled at -O0 (CPU, --backend inductor)")
     p.add_argument("--inductor-index-add", action="store_true",
                    help="also time the step whose index_add are left to inductor (CPU, --backend inductor)")
+    p.add_argument("--unsorted", action="store_true",
+                   help="also time the step whose graph sorts the batch's edges (not taken as sorted)")
     p.add_argument("--serial-builds", action="store_true",
                    help="compile with inductor's own builds: the C++ wrapper, then the kernels (CPU)")
     p.add_argument("--steps", type=opt.positive_int, default=10, help="steps per turn")
@@ -172,6 +178,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     compiled = CompiledStep(model, units, LOSS, backend=None if args.backend == "none" else args.backend)
     others = {name: CompiledStep(model, units, LOSS, backend=inductor_with(patches, calls))
               for name, (option, patches, calls) in variants().items() if getattr(args, option)}
+    if args.unsorted:
+        others["edges sorted in the graph"] = CompiledStep(model, units, LOSS, backend=compiled.backend)
+        others["edges sorted in the graph"]._sorted_edges = False
 
     def eager(batch):
         optimizer.zero_grad()
@@ -229,6 +238,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                        "molecule": args.molecule, "frames": args.frames, "batch_size": args.batch_size,
                        "atoms": atoms, "edges": edges,
                        "steps": args.steps, "repeats": args.repeats, "serial_builds": args.serial_builds,
+                       "unsorted": args.unsorted,
                        "model": dict(vars(args.model))},
               "compile_seconds": compile_seconds, "first_call_seconds": first_calls,
               "largest_relative_difference": max(differences),

@@ -14,8 +14,8 @@ from typing import Dict, Iterator, List
 
 import torch
 
-from ._checks import edges_sorted_by_caller, values_checked_by_caller
-from ._tracing import TracedGraphs, weights_as_inputs
+from ._checks import values_checked_by_caller
+from ._tracing import TracedGraphs, edges_sorted_by_caller, weights_as_inputs
 from .kernels.segment_checks import arguments_checked_by_caller
 from .models.energy import energy_and_forces, energy_forces_stress
 

@@ -37,31 +37,6 @@ def values_checked_by_caller() -> Iterator[None]:
         _CALLER_CHECKED.reset(token)
 
 
-_CALLER_SORTED = contextvars.ContextVar("e3attn_edges_sorted_by_caller", default=False)
-
-
-@contextlib.contextmanager
-def edges_sorted_by_caller() -> Iterator[None]:
-    """Within this context the edges of every call are sorted by destination, as the caller promises (the ASE
-    calculator, whose edges :func:`~e3attn.radius_graph_pbc` sorts): the layers neither test the order nor sort
-    the edges (see :func:`sorted_by_destination`)."""
-    token = _CALLER_SORTED.set(True)
-    try:
-        yield
-    finally:
-        _CALLER_SORTED.reset(token)
-
-
-def sorted_by_destination(dst: torch.Tensor) -> bool:
-    """Whether the edges of destinations ``dst`` are known to be sorted by destination without a sort: inside
-    :func:`edges_sorted_by_caller`, else by a test of the values on the CPU. False on other devices, where the
-    test's read costs more than a sort (a synchronisation), and while tracing, where no value can be read (a
-    traced graph then sorts every call's edges)."""
-    if _CALLER_SORTED.get():
-        return True
-    return not tracing() and dst.device.type == "cpu" and bool((dst[1:] >= dst[:-1]).all())
-
-
 def _skip_values() -> bool:
     """Whether to skip the checks of tensor values: while ``torch.compile`` or ``make_fx`` traces (they would be
     data-dependent branches, :func:`~e3attn._tracing.tracing`) and inside :func:`values_checked_by_caller`."""

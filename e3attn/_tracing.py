@@ -94,6 +94,34 @@ def tracing() -> bool:
     return torch.compiler.is_compiling() or _GRAPHS.get() is not None  # compiling first: dynamo cannot trace .get()
 
 
+_SORTED = contextvars.ContextVar("e3attn_edges_sorted_by_caller", default=False)
+
+
+@contextlib.contextmanager
+def edges_sorted_by_caller() -> Iterator[None]:
+    """Within this context the edges of every call are sorted by destination, as the caller promises (the ASE
+    calculator, whose edges :func:`~e3attn.radius_graph_pbc` sorts; the compiled training step, for a batch it
+    tested): the layers neither test the order nor sort the edges (:func:`sorted_by_destination`), also while
+    ``make_fx`` traces them (:class:`TracedGraphs` keeps the graphs traced with the promise apart)."""
+    token = _SORTED.set(True)
+    try:
+        yield
+    finally:
+        _SORTED.reset(token)
+
+
+def sorted_by_destination(dst: torch.Tensor) -> bool:
+    """Whether the edges of destinations ``dst`` are known to be sorted by destination without a sort: inside
+    :func:`edges_sorted_by_caller`, else by a test of the values on the CPU. False on other devices, where the
+    test's read costs more than a sort (a synchronisation), and while tracing, where no value can be read (a
+    traced graph then sorts every call's edges), as while ``torch.compile`` traces (it cannot read the promise)."""
+    if torch.compiler.is_compiling():
+        return False
+    if _SORTED.get():
+        return True
+    return not tracing() and dst.device.type == "cpu" and bool((dst[1:] >= dst[:-1]).all())
+
+
 def traced_graphs() -> Optional[int]:
     """The number of graphs of the batch that :func:`traced_step` traces, or None outside it."""
     return None if torch.compiler.is_compiling() else _GRAPHS.get()
@@ -159,7 +187,7 @@ class TracedGraphs:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"TracedGraphs: every argument must be a tensor (in lists, tuples or dicts); "
                                 f"leaf {i} (from 0) is a {type(t).__name__}")
-        key = (spec, int(self.num_graphs(*args)), tuple((t.dtype, t.device, t.dim()) for t in flat))
+        key = (spec, int(self.num_graphs(*args)), tuple((t.dtype, t.device, t.dim()) for t in flat), _SORTED.get())
         for graph_key, admits, graph in self.graphs:
             if graph_key == key and admits(flat):
                 return _in_inference_mode(graph)(*args)

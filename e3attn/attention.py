@@ -19,9 +19,9 @@ from ._checks import (
     check_int,
     check_pos,
     check_radius_fits,
-    sorted_by_destination,
 )
 from ._irreps import IrrepsLike, as_irreps, support
+from ._tracing import sorted_by_destination
 from .edge_geometry import Geometry, edge_geometry
 from .graph import radius_graph
 from .heads import MultiHeadDot, scale_heads, split_heads

@@ -14,12 +14,15 @@ def test_quick_run_compares_the_traced_step_with_the_eager_step(tmp_path, capsys
     bench = load_script("benchmarks/compiled_step.py")
     out = tmp_path / "r.json"
     report = bench.main(["--molecule", "H2O", "--batch-size", "2", "--backend", "none", "--dtype", "float64",
-                         "--steps", "3", "--repeats", "1", "--out", str(out), "--", "--layers", "1", "--max-radius", "3"])
+                         "--steps", "3", "--repeats", "1", "--unsorted", "--out", str(out), "--", "--layers", "1",
+                         "--max-radius", "3"])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     assert report["meta"]["atoms"] == 6 and report["meta"]["edges"] == 12 and report["meta"]["backend"] == "none"
     assert report["largest_relative_difference"] < 1e-12  # the eager step's loss and gradients, float64
     assert report["median_seconds"]["eager"] > 0 and report["median_seconds"]["compiled"] > 0
-    assert "force-training step: eager" in capsys.readouterr().out
+    assert report["meta"]["unsorted"] and report["median_seconds"]["edges sorted in the graph"] > 0
+    printed = capsys.readouterr().out
+    assert "force-training step: eager" in printed and "compiled, edges sorted in the graph: first call" in printed
 
 
 @pytest.mark.parametrize("flag", ["--python-wrapper", "--one-unit", "--wrapper-o0", "--inductor-index-add",

@@ -14,8 +14,7 @@ from ase.units import fs  # noqa: E402
 
 from e3attn import _calculator_call  # noqa: E402
 from e3attn._calculator_call import CompiledCall  # noqa: E402
-from e3attn._checks import edges_sorted_by_caller, sorted_by_destination  # noqa: E402
-from e3attn._tracing import traced_step  # noqa: E402
+from e3attn._tracing import edges_sorted_by_caller, sorted_by_destination, traced_step  # noqa: E402
 from e3attn.calculator import E3AttnCalculator  # noqa: E402
 from e3attn.graph import radius_graph_pbc  # noqa: E402
 from e3attn.models import energy_forces_stress  # noqa: E402

@@ -64,6 +64,33 @@ def test_traced_step_gives_the_eager_loss_and_weight_gradients(hidden):
     assert [key[1] for key, _, _ in step.graphs.graphs] == [2, 3]
 
 
+def _destination_sorts(graph) -> int:
+    return sum(node.target is torch.ops.e3attn.destination_order.default for node in graph.graph.nodes)
+
+
+def test_sorted_batches_run_a_graph_without_the_layers_sort_and_shuffled_ones_a_graph_with_it():
+    """``collate``'s edges are sorted by destination: their graph does not sort them again (what a trace otherwise
+    must, unable to test the order); a batch of the same edges shuffled gets a graph of its own that sorts them,
+    and both give the eager step's loss and weight gradients."""
+    data = samples(2, seed=1, dtype=torch.float64)
+    model, units = model_and_units(data, torch.float64)
+    step = CompiledStep(model, units, WEIGHTS, backend=None)
+    batch = collate(data)
+    dst = batch["edge_index"][1]
+    assert bool((dst[1:] >= dst[:-1]).all())
+    shuffle = torch.randperm(dst.shape[0], generator=torch.Generator().manual_seed(0))
+    shuffled = {**batch, "edge_index": batch["edge_index"][:, shuffle], "shifts": batch["shifts"][shuffle]}
+    for b in (batch, shuffled, batch):
+        loss = step(b)
+        grads = [p.grad.clone() for p in model.parameters()]
+        expected_loss, expected = eager_loss_and_gradients(model, batch, units)
+        assert torch.allclose(loss, expected_loss, rtol=1e-12, atol=0)
+        for g, e in zip(grads, expected):
+            assert torch.allclose(g, e, rtol=1e-10, atol=1e-12 * e.abs().max())
+    assert [key[-1] for key, _, _ in step.graphs.graphs] == [True, False]  # sorted: the promise; shuffled: none
+    assert [_destination_sorts(graph) for _, _, graph in step.graphs.graphs] == [0, len(model.layers)]
+
+
 @pytest.mark.slow
 def test_traced_step_on_isolated_atoms_and_a_batch_without_edges():
     """Sizes 0 and 1 are specialised by the trace: graphs of their own, each the eager step."""

@@ -8,9 +8,9 @@ import torch
 from .. import kernels
 from ..kernels import moments
 from .._constants import Float64ConstantsModule
-from .._checks import (check_dtype, check_edge_index, check_edge_vec, check_features, check_int,
-                       sorted_by_destination)
+from .._checks import check_dtype, check_edge_index, check_edge_vec, check_features, check_int
 from .._irreps import IrrepsLike, as_irreps
+from .._tracing import sorted_by_destination
 from ..edge_geometry import SCALARS, Geometry, edge_geometry
 from ..linear import IrrepsLinear
 from ..radial import RadialEmbedding, RadialMLP, cutoff_weight

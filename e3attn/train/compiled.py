@@ -2,12 +2,13 @@ r"""A force-training step traced into one graph and compiled: the loss and its w
 from __future__ import annotations
 
 import argparse
+import contextlib
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from .._checks import check_batch, check_edge_index, check_pos
-from .._tracing import TracedGraphs, weights_as_inputs
+from .._tracing import TracedGraphs, edges_sorted_by_caller, weights_as_inputs
 from ..kernels.segment_checks import arguments_checked_by_caller
 from .model import loss_fn, predict
 
@@ -42,7 +43,10 @@ class CompiledStep:
     a CPU), so the training command drops the last, smaller batch of each epoch. A call checks the batch's values
     as the model does in eager mode (finite positions, the edges' node indices in range), and the graph's node
     kernels then take their arguments as checked
-    (:func:`~e3attn.kernels.segment_checks.arguments_checked_by_caller`). Float32 and float64; no stress, no autocast.
+    (:func:`~e3attn.kernels.segment_checks.arguments_checked_by_caller`). It also tests whether the batch's edges
+    are sorted by destination, as :func:`~e3attn.train.collate` gives them: those of sorted batches run a graph
+    traced without the layers' sort of the edges (:func:`~e3attn._tracing.edges_sorted_by_caller`), other
+    batches a graph of their own that sorts them. Float32 and float64; no stress, no autocast.
 
     Args:
         model: the energy model (an :class:`~e3attn.models.EquivariantTransformer`, not DDP-wrapped).
@@ -72,6 +76,7 @@ class CompiledStep:
             model, lambda m, batch: loss_fn(predict(m, batch, units, create_graph=True), batch, units, **weights),
             trainable_only=True)
         self.backend = backend
+        self._sorted_edges = True  # whether sorted batches run without the layers' sort (False: a benchmark's)
         self.graphs = TracedGraphs(self._step, num_graphs=lambda params, batch: batch["num_atoms"].numel(),
                                    backend=backend)
 
@@ -89,8 +94,11 @@ class CompiledStep:
         check_pos(batch["pos"])
         check_edge_index(batch["edge_index"], batch["pos"].shape[0])
         check_batch(batch["batch"], batch["pos"].shape[0])
+        dst = batch["edge_index"][1]
+        ordered = self._sorted_edges and bool((dst[1:] >= dst[:-1]).all())
         params = [p.detach().requires_grad_(True) for p in self.params]
-        with torch.no_grad(), arguments_checked_by_caller():
+        with torch.no_grad(), arguments_checked_by_caller(), (
+                edges_sorted_by_caller() if ordered else contextlib.nullcontext()):
             loss, *grads = self.graphs(params, batch)
         for p, g in zip(self.params, grads):
             p.grad = g
