@@ -41,6 +41,7 @@ try:
 except ImportError as error:  # pragma: no cover - exercised only without ASE
     raise ImportError("e3attn.calculator needs ASE: pip install ase (or pip install 'e3attn[examples]')") from error
 
+from ._atoms_changes import changed_properties
 from ._calculator_call import CompiledCall, call_values, frozen
 from ._checks import check_device, check_real, spans_volume
 from ._cuda_graph import ReplayedCall
@@ -331,6 +332,14 @@ class E3AttnCalculator(Calculator):
             )
         except ValueError as error:  # the extras do not fit the model (or an option is wrong): say which file
             raise ValueError(f"{where}: {error}") from None
+
+    def check_state(self, atoms, tol: float = 1e-15) -> list:
+        """The properties of ``atoms`` changed since the last calculation (ASE's), compared exactly
+        (``e3attn._atoms_changes``): never a stale result, and cheaper than ASE's comparison within ``tol``, which
+        every ``get_forces`` of an MD step pays."""
+        if self.atoms is None or tol != 1e-15:
+            return super().check_state(atoms, tol)
+        return changed_properties(self.atoms, atoms, [p for p in all_changes if p not in set(self.ignored_changes)])
 
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes) -> None:
         """Compute the properties of ``atoms`` into ``self.results`` (ASE calls this as needed): energy and forces,

@@ -242,6 +242,44 @@ def test_dynamics_compute_each_configuration_once():
     assert len(calls) == 3 + 5
 
 
+def test_the_state_check_names_the_changes_ases_names_and_smaller_ones():
+    """``check_state`` (exact comparisons) names what ASE's ``compare_atoms`` names for every kind of change, honours
+    ``ignored_changes``, and also names a change below ASE's tolerance of 1e-15 (computed anew, never stale)."""
+    from ase.calculators.calculator import all_changes, compare_atoms
+
+    calc = E3AttnCalculator(make_model(), SPECIES)
+    before = alloy(triclinic(), 0)
+    calc.atoms = before.copy()
+    edits = {
+        "nothing": lambda a: None,
+        "positions": lambda a: a.positions.__setitem__((0, 1), a.positions[0, 1] + 1e-9),
+        "numbers": lambda a: a.numbers.__setitem__(0, 29 if a.numbers[0] != 29 else 28),
+        "cell": lambda a: a.set_cell(a.cell.array * 1.01),
+        "pbc": lambda a: a.set_pbc([True, False, True]),
+        "charges": lambda a: a.set_initial_charges(np.linspace(0.0, 1.0, len(a))),
+        "magmoms": lambda a: a.set_initial_magnetic_moments(np.ones(len(a))),
+        "momenta": lambda a: a.set_momenta(np.ones((len(a), 3))),  # not a property ASE compares
+    }
+    for name, edit in edits.items():
+        atoms = before.copy()
+        edit(atoms)
+        expected = compare_atoms(calc.atoms, atoms, tol=1e-15)
+        assert sorted(calc.check_state(atoms)) == sorted(expected), name
+        assert (name in ("nothing", "momenta")) == (not expected), name
+    tiny = before.copy()
+    tiny.positions[0, 0] = np.nextafter(before.positions[0, 0], np.inf)  # the next float: < 1e-15 away
+    assert 0 < tiny.positions[0, 0] - before.positions[0, 0] < 1e-15
+    assert compare_atoms(calc.atoms, tiny, tol=1e-15) == [] and calc.check_state(tiny) == ["positions"]
+    moved = before.copy()
+    moved.positions += 0.1
+    calc.ignored_changes = {"positions"}
+    assert calc.check_state(moved) == [] == compare_atoms(calc.atoms, moved, excluded_properties={"positions"})
+    calc.ignored_changes = set()
+    assert calc.check_state(moved, tol=0.5) == []  # another tolerance: ASE's own comparison
+    calc.atoms = None
+    assert calc.check_state(moved) == list(all_changes)
+
+
 def test_energy_and_forces_without_the_stress_equal_those_with_it():
     """A calculator never asked for the stress computes energy and forces without it (no strain derivative), equal
     to those of one that computes the stress too, to rounding (float64)."""
