@@ -339,7 +339,7 @@ class E3AttnCalculator(Calculator):
         every ``get_forces`` of an MD step pays."""
         if self.atoms is None or tol != 1e-15:
             return super().check_state(atoms, tol)
-        return changed_properties(self.atoms, atoms, [p for p in all_changes if p not in set(self.ignored_changes)])
+        return changed_properties(self.atoms, atoms, [p for p in all_changes if p not in self.ignored_changes])
 
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes) -> None:
         """Compute the properties of ``atoms`` into ``self.results`` (ASE calls this as needed): energy and forces,

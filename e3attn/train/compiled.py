@@ -8,7 +8,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .._checks import check_batch, check_edge_index, check_pos
-from .._tracing import TracedGraphs, edges_sorted_by_caller, weights_as_inputs
+from .._tracing import TracedGraphs, edges_sorted_by_caller, sorted_by_destination, weights_as_inputs
 from ..kernels.segment_checks import arguments_checked_by_caller
 from .model import loss_fn, predict
 
@@ -43,10 +43,11 @@ class CompiledStep:
     a CPU), so the training command drops the last, smaller batch of each epoch. A call checks the batch's values
     as the model does in eager mode (finite positions, the edges' node indices in range), and the graph's node
     kernels then take their arguments as checked
-    (:func:`~e3attn.kernels.segment_checks.arguments_checked_by_caller`). It also tests whether the batch's edges
-    are sorted by destination, as :func:`~e3attn.train.collate` gives them: those of sorted batches run a graph
-    traced without the layers' sort of the edges (:func:`~e3attn._tracing.edges_sorted_by_caller`), other
-    batches a graph of their own that sorts them. Float32 and float64; no stress, no autocast.
+    (:func:`~e3attn.kernels.segment_checks.arguments_checked_by_caller`). It also tests whether a CPU batch's edges
+    are sorted by destination (:func:`~e3attn._tracing.sorted_by_destination`), as :func:`~e3attn.train.collate`
+    gives them: those of sorted batches run a graph traced without the layers' sort of the edges
+    (:func:`~e3attn._tracing.edges_sorted_by_caller`), other batches a graph of their own that sorts them.
+    Float32 and float64; no stress, no autocast.
 
     Args:
         model: the energy model (an :class:`~e3attn.models.EquivariantTransformer`, not DDP-wrapped).
@@ -94,8 +95,7 @@ class CompiledStep:
         check_pos(batch["pos"])
         check_edge_index(batch["edge_index"], batch["pos"].shape[0])
         check_batch(batch["batch"], batch["pos"].shape[0])
-        dst = batch["edge_index"][1]
-        ordered = self._sorted_edges and bool((dst[1:] >= dst[:-1]).all())
+        ordered = self._sorted_edges and sorted_by_destination(batch["edge_index"][1])
         params = [p.detach().requires_grad_(True) for p in self.params]
         with torch.no_grad(), arguments_checked_by_caller(), (
                 edges_sorted_by_caller() if ordered else contextlib.nullcontext()):
