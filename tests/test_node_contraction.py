@@ -148,7 +148,7 @@ def test_one_node_pass_gives_every_output_at_once():
 
 def test_node_operators_with_more_rows_than_paths(backend):
     """With more rows ``heads * hidden`` (16) than paths (8), the numba kernel contracts the edges along the rows
-    (buf's transpose): every output equals its definition, and gradcheck and gradgradcheck pass."""
+    (on Q_i^T): every output equals its definition, and gradcheck and gradgradcheck pass."""
     heads, hidden, paths = 2, 8, 8
     blocks = torch.tensor([[0, 2, 1, 1, 0, 0], [2, 2, 3, 1, 32, 2]])  # 2 paths into 0e, 2 x 3 into 1o
     dims = [heads, hidden, paths, 8, 64]

@@ -19,7 +19,8 @@ z_i[a, w, m]\, L[a, w, h, k]`, run along rows of ``hidden * K`` numbers (``_scra
 are laid out (group, component, path) to match. The edge contractions run in the register-blocked loops
 of :mod:`e3attn.kernels.cpu` along the contiguous path axis, or, where there are fewer paths than rows (e.g. a
 block that reads only scalars: 16 paths, 64 rows), along the rows of the matrix's transpose: the vectorised
-loops then run over 64 numbers instead of 16. Every kernel writes only its own nodes' rows (and the gradient
+loops then run over 64 numbers instead of 16, and the per-node steps build and read that transpose in place (no
+transposed copy per node). Every kernel writes only its own nodes' rows (and the gradient
 of :math:`L` into its group's buffer), so results do not depend on the number of threads.
 
 :func:`path_features` computes :math:`y_e = P(x_{\mathrm{src}(e)}, Y_e)` or its gradients in tiles of edges,
@@ -49,20 +50,46 @@ def _scratch(blocks, hidden, dtype_of):
 
 
 @numba.njit(**_JIT)
-def _gather(tmp, buf, a, hidden, poff, kdim, dim_l):
-    """``tmp[m, h K + k] = buf[a H + h, poff + m K + k]``: a block of one head, rows along ``(h, k)``."""
+def _put(q, by_rows, tmp, a, hidden, poff, kdim, dim_l):
+    """Head ``a`` of a block of ``Q`` from ``tmp[m, h K + k]``: ``Q[a H + h, poff + m K + k]``, stored ``q [J, P]``,
+    or ``[P, J]`` (its transpose, ``by_rows``)."""
     for m in range(dim_l):
-        for h in range(hidden):
-            src, dst = buf[a * hidden + h, poff + m * kdim :], tmp[m, h * kdim :]
+        src = tmp[m]
+        if by_rows:
             for k in range(kdim):
-                dst[k] = src[k]
+                dst = q[poff + m * kdim + k, a * hidden :]
+                for h in range(hidden):
+                    dst[h] = src[h * kdim + k]
+        else:
+            for h in range(hidden):
+                dst = q[a * hidden + h, poff + m * kdim :]
+                for k in range(kdim):
+                    dst[k] = src[h * kdim + k]
 
 
 @numba.njit(**_JIT)
-def _expand(buf, z, lt, blocks, heads, hidden, tmp):
-    """``buf [J, P] = E(z, L)``: ``buf[a H + h, poff + m K + k] = sum_w z[a, w, m] lt[a, w, h, k]`` per block,
-    per head a small matrix product ``tmp [2l+1, H K] = z_a^T lt_a`` along rows of ``H K``, then copied in. The
-    columns of no block are left as they are (zero in :func:`node_pass`)."""
+def _gather(tmp, q, by_rows, a, hidden, poff, kdim, dim_l):
+    """``tmp[m, h K + k] = Q[a H + h, poff + m K + k]``, the reverse of :func:`_put`: a block of one head, rows
+    along ``(h, k)``."""
+    for m in range(dim_l):
+        dst = tmp[m]
+        if by_rows:
+            for k in range(kdim):
+                src = q[poff + m * kdim + k, a * hidden :]
+                for h in range(hidden):
+                    dst[h * kdim + k] = src[h]
+        else:
+            for h in range(hidden):
+                src = q[a * hidden + h, poff + m * kdim :]
+                for k in range(kdim):
+                    dst[h * kdim + k] = src[k]
+
+
+@numba.njit(**_JIT)
+def _expand(q, by_rows, z, lt, blocks, heads, hidden, tmp):
+    """``Q = E(z, L)`` into ``q`` (stored as in :func:`_put`): ``Q[a H + h, poff + m K + k] = sum_w z[a, w, m]
+    lt[a, w, h, k]`` per block, per head a small matrix product ``tmp [2l+1, H K] = z_a^T lt_a`` along rows of
+    ``H K``, then put in place. The entries of no block are left as they are (zero in :func:`node_pass`)."""
     i0, i1 = np.int64(0), np.int64(1)  # not literals: each literal argument compiles another _mac
     for b in range(blocks.shape[0]):
         poff, kdim, dim_l, width, loff, zoff = blocks[b]
@@ -71,26 +98,22 @@ def _expand(buf, z, lt, blocks, heads, hidden, tmp):
             tmp[:dim_l, :size] = 0.0
             rows = lt[loff + a * width * size : loff + (a + 1) * width * size].reshape(width, size)
             _mac(tmp, i0, dim_l, rows, i0, width, z, zoff + a * width * dim_l, i1, dim_l, size)
-            for m in range(dim_l):
-                for h in range(hidden):
-                    src, dst = tmp[m, h * kdim :], buf[a * hidden + h, poff + m * kdim :]
-                    for k in range(kdim):
-                        dst[k] = src[k]
+            _put(q, by_rows, tmp, a, hidden, poff, kdim, dim_l)
 
 
 @numba.njit(**_JIT)
-def _adjoints(buf, lt, z, blocks, heads, hidden, tmp, out, glt):
-    """From ``buf [J, P]``, per block: ``out = R(buf, L)``, the adjoint of :func:`_expand`, ``out[a, w, m] =
-    sum_hk lt[a, w, h, k] buf[a H + h, poff + m K + k]`` (if ``out`` has entries), and ``glt += X(buf, z)``, the
-    gradient of ``<E(z, L), buf>`` in ``L``, ``glt[a, w, h, k] += sum_m z[a, w, m] buf[a H + h, poff + m K + k]``
-    (if ``glt`` has entries); both along rows of ``H K``."""
+def _adjoints(q, by_rows, lt, z, blocks, heads, hidden, tmp, out, glt):
+    """From ``U`` in ``q`` (stored as in :func:`_put`), per block: ``out = R(U, L)``, the adjoint of
+    :func:`_expand`, ``out[a, w, m] = sum_hk lt[a, w, h, k] U[a H + h, poff + m K + k]`` (if ``out`` has entries),
+    and ``glt += X(U, z)``, the gradient of ``<E(z, L), U>`` in ``L``, ``glt[a, w, h, k] += sum_m z[a, w, m]
+    U[a H + h, poff + m K + k]`` (if ``glt`` has entries); both along rows of ``H K``."""
     i0, i1 = np.int64(0), np.int64(1)  # not literals: each literal argument compiles another _mac
-    zero = np.zeros(1, buf.dtype)[0]
+    zero = np.zeros(1, q.dtype)[0]
     for b in range(blocks.shape[0]):
         poff, kdim, dim_l, width, loff, zoff = blocks[b]
         size = hidden * kdim
         for a in range(heads):
-            _gather(tmp, buf, a, hidden, poff, kdim, dim_l)
+            _gather(tmp, q, by_rows, a, hidden, poff, kdim, dim_l)
             first, start = loff + a * width * size, zoff + a * width * dim_l
             if out.shape[0]:
                 out[start : start + width * dim_l] = 0.0
@@ -99,15 +122,6 @@ def _adjoints(buf, lt, z, blocks, heads, hidden, tmp, out, glt):
             if glt.shape[0]:
                 _mac(glt[first : first + width * size].reshape(width, size), i0, width, tmp, i0, dim_l, z, start,
                      dim_l, i1, size)
-
-
-@numba.njit(**_JIT)
-def _transpose(src, dst):
-    """``dst[q, p] = src[p, q]``."""
-    for p in range(src.shape[0]):
-        row = src[p]
-        for q in range(src.shape[1]):
-            dst[q, p] = row[q]
 
 
 # ------------------------------------------------------------------ kernels: one pass over the nodes of a group
@@ -126,12 +140,13 @@ def node_pass(y, a, z, lt, blocks, heads, hidden, rowptr, gi, groups, out_t, out
     i0, i1 = np.int64(0), np.int64(1)  # not literals: each literal argument compiles another _mac
     nodes, paths, width = rowptr.shape[0] - 1, y.shape[1], heads * hidden  # an unused y is an empty [0, paths]
     zero = np.zeros(1, z.dtype)[0]
-    buf, tmp, none = np.zeros((width, paths), z.dtype), _scratch(blocks, hidden, z), np.empty(0, z.dtype)
     want_t, want_r, want_o, want_g = out_t.shape[0] > 0, out_r.shape[0] > 0, out_o.shape[0] > 0, glt_groups.shape[0] > 0
-    # the edge contractions run along the longer axis of Q_i, U_i: the paths, or (few paths) the rows, on
-    # buf's transpose, as the rows of the edges' a [E, J], t [E, J] and the flat y [E P], r [E P]
+    # the edge contractions run along the longer axis of Q_i, U_i: the paths, with q = Q_i [J, P], or (few paths)
+    # the rows, with q = Q_i^T [P, J] (by_rows), as the rows of the edges' a [E, J], t [E, J] and the flat
+    # y [E P], r [E P]
     by_rows = width > paths
-    rows = np.zeros((paths, width) if by_rows else (0, 0), z.dtype)
+    q = np.zeros((paths, width) if by_rows else (width, paths), z.dtype)
+    tmp, none = _scratch(blocks, hidden, z), np.empty(0, z.dtype)
     a_rows, t_rows, y_flat, r_flat = a.reshape(-1, width), out_t.reshape(-1, width), y.reshape(-1), out_r.reshape(-1)
     if want_g:
         glt_groups[gi] = 0.0
@@ -142,33 +157,29 @@ def node_pass(y, a, z, lt, blocks, heads, hidden, rowptr, gi, groups, out_t, out
                 out_o[i] = 0.0
             continue
         if want_t or want_r:
-            if want_o or want_g:  # buf held the last node's U_i: clear the columns that no block writes
-                buf[:, :] = 0.0
-            _expand(buf, z[i], lt, blocks, heads, hidden, tmp)
-            if by_rows:
-                _transpose(buf, rows)
+            if want_o or want_g:  # q held the last node's U_i: clear the entries that no block writes
+                q[:, :] = 0.0
+            _expand(q, by_rows, z[i], lt, blocks, heads, hidden, tmp)
             if want_t:
                 out_t[start * width : stop * width] = 0.0
                 if by_rows:
-                    _mac(t_rows, start, stop - start, rows, i0, paths, y_flat, start * paths, paths, i1, width)
+                    _mac(t_rows, start, stop - start, q, i0, paths, y_flat, start * paths, paths, i1, width)
                 else:
-                    _dots(out_t, start * width, width, y, start, stop - start, buf, width, paths, zero)
+                    _dots(out_t, start * width, width, y, start, stop - start, q, width, paths, zero)
             if want_r:
                 out_r[start:stop] = 0.0
                 if by_rows:
-                    _dots(r_flat, start * paths, paths, a_rows, start, stop - start, rows, paths, width, zero)
+                    _dots(r_flat, start * paths, paths, a_rows, start, stop - start, q, paths, width, zero)
                 else:
-                    _mac(out_r, start, stop - start, buf, i0, width, a, start * width, width, i1, paths)
+                    _mac(out_r, start, stop - start, q, i0, width, a, start * width, width, i1, paths)
         if want_o or want_g:
+            q[:, :] = 0.0
             if by_rows:
-                rows[:, :] = 0.0
-                _mac(rows, i0, paths, a_rows, start, stop - start, y_flat, start * paths, i1, paths, width)
-                _transpose(rows, buf)
+                _mac(q, i0, paths, a_rows, start, stop - start, y_flat, start * paths, i1, paths, width)
             else:
-                buf[:, :] = 0.0
-                _mac(buf, i0, width, y, start, stop - start, a, start * width, i1, width, paths)
-            _adjoints(buf, lt, z[i] if want_g else none, blocks, heads, hidden, tmp, out_o[i] if want_o else none,
-                      glt_groups[gi] if want_g else none)
+                _mac(q, i0, width, y, start, stop - start, a, start * width, i1, width, paths)
+            _adjoints(q, by_rows, lt, z[i] if want_g else none, blocks, heads, hidden, tmp,
+                      out_o[i] if want_o else none, glt_groups[gi] if want_g else none)
 
 
 @numba.njit(**_JIT)
