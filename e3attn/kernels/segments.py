@@ -50,44 +50,32 @@ def _scratch(blocks, hidden, dtype_of):
 
 
 @numba.njit(**_JIT)
-def _put(q, by_rows, tmp, a, hidden, poff, kdim, dim_l):
-    """Head ``a`` of a block of ``Q`` from ``tmp[m, h K + k]``: ``Q[a H + h, poff + m K + k]``, stored ``q [J, P]``,
-    or ``[P, J]`` (its transpose, ``by_rows``)."""
+def _copy(tmp, q, by_rows, into_q, a, hidden, poff, kdim, dim_l):
+    """Between ``tmp[m, h K + k]`` and head ``a`` of a block of ``Q``, ``Q[a H + h, poff + m K + k]``, stored
+    ``q [J, P]`` or ``[P, J]`` (its transpose, ``by_rows``): into ``q`` (``into_q``) or out of it."""
     for m in range(dim_l):
-        src = tmp[m]
-        if by_rows:
+        t = tmp[m]
+        if by_rows:  # rows k of q, along h
             for k in range(kdim):
-                dst = q[poff + m * kdim + k, a * hidden :]
+                row = q[poff + m * kdim + k, a * hidden :]
                 for h in range(hidden):
-                    dst[h] = src[h * kdim + k]
-        else:
+                    if into_q:
+                        row[h] = t[h * kdim + k]
+                    else:
+                        t[h * kdim + k] = row[h]
+        else:  # rows h of q, along k
             for h in range(hidden):
-                dst = q[a * hidden + h, poff + m * kdim :]
+                row, first = q[a * hidden + h, poff + m * kdim :], h * kdim
                 for k in range(kdim):
-                    dst[k] = src[h * kdim + k]
-
-
-@numba.njit(**_JIT)
-def _gather(tmp, q, by_rows, a, hidden, poff, kdim, dim_l):
-    """``tmp[m, h K + k] = Q[a H + h, poff + m K + k]``, the reverse of :func:`_put`: a block of one head, rows
-    along ``(h, k)``."""
-    for m in range(dim_l):
-        dst = tmp[m]
-        if by_rows:
-            for k in range(kdim):
-                src = q[poff + m * kdim + k, a * hidden :]
-                for h in range(hidden):
-                    dst[h * kdim + k] = src[h]
-        else:
-            for h in range(hidden):
-                src = q[a * hidden + h, poff + m * kdim :]
-                for k in range(kdim):
-                    dst[h * kdim + k] = src[k]
+                    if into_q:
+                        row[k] = t[first + k]
+                    else:
+                        t[first + k] = row[k]
 
 
 @numba.njit(**_JIT)
 def _expand(q, by_rows, z, lt, blocks, heads, hidden, tmp):
-    """``Q = E(z, L)`` into ``q`` (stored as in :func:`_put`): ``Q[a H + h, poff + m K + k] = sum_w z[a, w, m]
+    """``Q = E(z, L)`` into ``q`` (stored as in :func:`_copy`): ``Q[a H + h, poff + m K + k] = sum_w z[a, w, m]
     lt[a, w, h, k]`` per block, per head a small matrix product ``tmp [2l+1, H K] = z_a^T lt_a`` along rows of
     ``H K``, then put in place. The entries of no block are left as they are (zero in :func:`node_pass`)."""
     i0, i1 = np.int64(0), np.int64(1)  # not literals: each literal argument compiles another _mac
@@ -98,12 +86,12 @@ def _expand(q, by_rows, z, lt, blocks, heads, hidden, tmp):
             tmp[:dim_l, :size] = 0.0
             rows = lt[loff + a * width * size : loff + (a + 1) * width * size].reshape(width, size)
             _mac(tmp, i0, dim_l, rows, i0, width, z, zoff + a * width * dim_l, i1, dim_l, size)
-            _put(q, by_rows, tmp, a, hidden, poff, kdim, dim_l)
+            _copy(tmp, q, by_rows, True, a, hidden, poff, kdim, dim_l)
 
 
 @numba.njit(**_JIT)
 def _adjoints(q, by_rows, lt, z, blocks, heads, hidden, tmp, out, glt):
-    """From ``U`` in ``q`` (stored as in :func:`_put`), per block: ``out = R(U, L)``, the adjoint of
+    """From ``U`` in ``q`` (stored as in :func:`_copy`), per block: ``out = R(U, L)``, the adjoint of
     :func:`_expand`, ``out[a, w, m] = sum_hk lt[a, w, h, k] U[a H + h, poff + m K + k]`` (if ``out`` has entries),
     and ``glt += X(U, z)``, the gradient of ``<E(z, L), U>`` in ``L``, ``glt[a, w, h, k] += sum_m z[a, w, m]
     U[a H + h, poff + m K + k]`` (if ``glt`` has entries); both along rows of ``H K``."""
@@ -113,7 +101,7 @@ def _adjoints(q, by_rows, lt, z, blocks, heads, hidden, tmp, out, glt):
         poff, kdim, dim_l, width, loff, zoff = blocks[b]
         size = hidden * kdim
         for a in range(heads):
-            _gather(tmp, q, by_rows, a, hidden, poff, kdim, dim_l)
+            _copy(tmp, q, by_rows, False, a, hidden, poff, kdim, dim_l)
             first, start = loff + a * width * size, zoff + a * width * dim_l
             if out.shape[0]:
                 out[start : start + width * dim_l] = 0.0
