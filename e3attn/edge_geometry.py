@@ -72,7 +72,7 @@ def shared_edge_geometry(edge_vec: torch.Tensor, layers: Sequence[torch.nn.Modul
     \mathrm{emb}(r)\, [W_1^{(1)} \dots W_1^{(T)}]`, and one set of harmonics, those of the largest degree among the
     layers that have them (``sh``): every such layer gets the columns of its own degree (the harmonics are ordered
     by degree, so those of degree up to :math:`l` are the first :math:`(l + 1)^2` columns); the others get them
-    all and ignore them.
+    all and ignore them. With several layers, each layer's :math:`p^{(t)}` is a contiguous copy of its columns.
 
     Every module has a ``radial`` network (:class:`~e3attn.radial.RadialMLP`) and an ``embedding``
     (:class:`~e3attn.radial.RadialEmbedding`); the embeddings must be alike (basis, size, cutoff).

@@ -128,41 +128,56 @@ def _through(route, op):
     return op if route == "dispatcher" else functools.partial(segment_ops.call, op)
 
 
-def test_one_node_pass_gives_every_output_at_once():
+def _one_pass_gives_every_output(y, a, z, lt, blocks, rowptr, dims) -> None:
     """``node_pass`` with all four outputs (expansions and sums sharing one buffer, node after node) equals the
-    operators, with path features that are not zero in the columns no block covers (13-19)."""
+    operators called one at a time."""
     from e3attn.kernels import segments
 
-    rowptr, _ = _graph()
-    y, a, z, lt = (t.detach() for t in _operands(4))
-    t, r = segment_ops.node_expand(y, a, z, lt, BLOCKS, rowptr, DIMS)
-    o, g = segment_ops.node_outer(a, y, lt, z, BLOCKS, rowptr, DIMS)
-    outs = [torch.empty_like(t).reshape(-1), torch.empty_like(r), torch.empty_like(o), torch.empty(1, DIMS[4],
-                                                                                                      dtype=y.dtype)]
-    segments.node_pass(y.numpy(), a.reshape(-1).numpy(), z.numpy(), lt.numpy(), BLOCKS.numpy(), HEADS, HIDDEN,
+    t, r = segment_ops.node_expand(y, a, z, lt, blocks, rowptr, dims)
+    o, g = segment_ops.node_outer(a, y, lt, z, blocks, rowptr, dims)
+    outs = [torch.empty_like(t).reshape(-1), torch.empty_like(r), torch.empty_like(o),
+            torch.empty(1, dims[4], dtype=y.dtype)]
+    segments.node_pass(y.numpy(), a.reshape(-1).numpy(), z.numpy(), lt.numpy(), blocks.numpy(), dims[0], dims[1],
                        rowptr.numpy(), 0, 1, *(x.numpy() for x in outs))  # one group: every node in turn
     for got, want in zip((outs[0], outs[1], outs[2], outs[3][0]), (t.reshape(-1), r, o, g)):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+def test_one_node_pass_gives_every_output_at_once():
+    """All four outputs of one pass equal the operators', with path features that are not zero in the columns no
+    block covers (13-19)."""
+    rowptr, _ = _graph()
+    y, a, z, lt = (t.detach() for t in _operands(4))
+    _one_pass_gives_every_output(y, a, z, lt, BLOCKS, rowptr, DIMS)
     assert (y[:, 13:] != 0).all()
 
 
-def test_node_operators_with_more_rows_than_paths(backend):
-    """With more rows ``heads * hidden`` (16) than paths (8), the numba kernel contracts the edges along the rows
-    (on Q_i^T): every output equals its definition, and gradcheck and gradgradcheck pass."""
-    heads, hidden, paths = 2, 8, 8
-    blocks = torch.tensor([[0, 2, 1, 1, 0, 0], [2, 2, 3, 1, 32, 2]])  # 2 paths into 0e, 2 x 3 into 1o
-    dims = [heads, hidden, paths, 8, 64]
-    degrees = torch.tensor([3, 0, 5, 1])
-    rowptr, dst = _graph(degrees)
+_MORE_ROWS = torch.tensor([[0, 2, 1, 1, 0, 0], [2, 2, 3, 1, 32, 2]])  # 2 paths into 0e, 2 x 3 into 1o; 8, 9: none
+_MORE_ROWS_DIMS = [2, 8, 10, 8, 64]  # heads, hidden (16 rows), paths, z width, L size
+
+
+def _more_rows_case():
+    """Operands with more rows than paths and the definition of ``Q_i`` ``[N, rows, paths]`` (zero in the paths that
+    no block covers, where ``y`` is not)."""
+    heads, hidden, paths = _MORE_ROWS_DIMS[:3]
+    rowptr, dst = _graph(torch.tensor([3, 0, 5, 1]))
     g = torch.Generator().manual_seed(5)
     y, a, z, lt = (torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
-                   for shape in ((9, paths), (9, heads * hidden), (4, dims[3]), (dims[4],)))
+                   for shape in ((9, paths), (9, heads * hidden), (4, _MORE_ROWS_DIMS[3]), (_MORE_ROWS_DIMS[4],)))
     q = z.new_zeros(4, heads, hidden, paths)
-    for poff, k, dim_l, width, loff, zoff in blocks.tolist():
+    for poff, k, dim_l, width, loff, zoff in _MORE_ROWS.tolist():
         zb = z[:, zoff : zoff + heads * width * dim_l].reshape(-1, heads, width, dim_l)
         lb = lt[loff : loff + heads * width * hidden * k].reshape(heads, width, hidden, k)
         q[..., poff : poff + k * dim_l] = torch.einsum("nawm,awhk->nahmk", zb, lb).reshape(-1, heads, hidden, k * dim_l)
-    q = q.reshape(4, heads * hidden, paths)
+    return (y, a, z, lt), rowptr, dst, q.reshape(4, heads * hidden, paths)
+
+
+def test_node_operators_with_more_rows_than_paths(backend):
+    """With more rows ``heads * hidden`` (16) than paths (10), the numba kernel contracts the edges along the rows
+    (on Q_i^T): every output equals its definition, and gradcheck and gradgradcheck pass."""
+    (y, a, z, lt), rowptr, dst, q = _more_rows_case()
+    heads, hidden, paths = _MORE_ROWS_DIMS[:3]
+    blocks, dims = _MORE_ROWS, _MORE_ROWS_DIMS
     t, r = segment_ops.node_expand(y, a, z, lt, blocks, rowptr, dims)
     torch.testing.assert_close(t, (y[:, None, :] * q[dst]).sum(-1), atol=1e-13, rtol=0)
     torch.testing.assert_close(r, (a[:, :, None] * q[dst]).sum(1), atol=1e-13, rtol=0)
@@ -176,6 +191,15 @@ def test_node_operators_with_more_rows_than_paths(backend):
                      (lambda *x: segment_ops.node_outer(*x, blocks, rowptr, dims), (a, y, lt, z))):
         assert torch.autograd.gradcheck(fn, args, fast_mode=fast)
         assert torch.autograd.gradgradcheck(fn, args, fast_mode=fast)
+
+
+def test_one_node_pass_on_the_transpose_gives_every_output_at_once():
+    """As ``test_one_node_pass_gives_every_output_at_once``, with more rows than paths (``Q_i^T`` and ``U_i^T`` in
+    one buffer, node after node): the expansions read zero in the paths that no block covers after a node's sum."""
+    operands, rowptr, _, _ = _more_rows_case()
+    y, a, z, lt = (t.detach() for t in operands)
+    _one_pass_gives_every_output(y, a, z, lt, _MORE_ROWS, rowptr, _MORE_ROWS_DIMS)
+    assert (y[:, 8:] != 0).all()
 
 
 @pytest.mark.parametrize("route", ["dispatcher", "eager"])

@@ -3,7 +3,8 @@ r"""The attention's kernels on the CPU when its radial weights are contracted at
 See :class:`~e3attn.node_contraction.NodeContraction` for the math. The edges are sorted by destination,
 so that the edges :math:`e \to i` of node :math:`i` are the rows ``rowptr[i]:rowptr[i + 1]`` (a CSR
 layout), and :func:`node_pass` walks the nodes of its share ``gi`` of ``groups``, building per node the
-``[heads * hidden, paths]`` matrices that its outputs need, in a buffer that stays in cache. The two operators
+``[heads * hidden, paths]`` matrices that its outputs need (or their transposes, below), in a buffer that stays
+in cache. The two operators
 of :mod:`e3attn.kernels.segment_ops` call it:
 
 * ``e3attn::node_expand``: :math:`Q_i = E(z_i, L)` (``_expand``), then for the node's edges
@@ -19,7 +20,7 @@ z_i[a, w, m]\, L[a, w, h, k]`, run along rows of ``hidden * K`` numbers (``_scra
 are laid out (group, component, path) to match. The edge contractions run in the register-blocked loops
 of :mod:`e3attn.kernels.cpu` along the contiguous path axis, or, where there are fewer paths than rows (e.g. a
 block that reads only scalars: 16 paths, 64 rows), along the rows of the matrix's transpose: the vectorised
-loops then run over 64 numbers instead of 16, and the per-node steps build and read that transpose in place (no
+loops then run over 64 numbers instead of 16, and the per-node steps build and read that transpose directly (no
 transposed copy per node). Every kernel writes only its own nodes' rows (and the gradient
 of :math:`L` into its group's buffer), so results do not depend on the number of threads.
 
