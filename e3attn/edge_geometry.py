@@ -112,9 +112,9 @@ def shared_edge_geometry(edge_vec: torch.Tensor, layers: Sequence[torch.nn.Modul
     for own in (getattr(layer, "sh", None) for layer in layers):
         if own is not None and own.lmax not in columns:
             columns[own.lmax] = sh[:, : (own.lmax + 1) ** 2].contiguous()
-    # each layer's first layers contiguous: its activation, an elementwise function of them, runs on PyTorch's
-    # vectorised loops only on rows of at least two SIMD vectors when it is given a strided slice of p (elementwise
-    # per number, more than ten times slower, for 16 columns with AVX-512), and the copy takes a fraction of that
+    # each layer's first layers contiguous: on a strided slice of p, PyTorch's CPU loop for its activation runs each
+    # row in steps of two SIMD vectors and the rest of the row one number at a time (16 columns with AVX-512: all of
+    # it, more than ten times slower); the copy takes a fraction of that
     parts = pre.split([w.shape[1] for w in first], dim=1)
     parts = [p.contiguous() for p in parts] if len(parts) > 1 else parts
     return [(columns[layer.sh.lmax] if getattr(layer, "sh", None) is not None else sh, p, r)
